@@ -1,0 +1,40 @@
+"""Backends: one small module each, loaded by name; the core names none of them.
+
+A backend module provides:
+
+  SOURCE_SUFFIX                 suffix of rendered sources (".cpp", ".cu")
+  JOB_MEMORY_BYTES              peak memory of one compile, used to cap parallel jobs
+  templates(key) -> [str]       template names under templates/<backend>/ the key's source uses,
+                                main template first (rendering any other one is an error)
+  context(key) -> dict          the symbol map: values the templates see (C++ types, constants)
+  toolchain() -> Toolchain      compiler and third-party versions (enter every build identity)
+  compile_flags(key, tc) -> [str]   compile flags (no paths: these enter the build identity)
+  compile_command(key, tc, source, output, include_dirs) -> [str]
+  available() -> (bool, str)    toolchain and device present, for backend=auto, with the reason
+  detect_arch() -> str | None   the arch of this machine's device, for arch=auto
+  runnable(arch) -> (bool, str) whether this machine can run kernels built for arch
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+
+from ..spec import rules
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    compiler: str                 # path or command of the compiler
+    identity: str                 # every version string that enters the build identity
+    include_dirs: tuple[str, ...] = ()   # third-party headers (-isystem: never scanned)
+
+
+def names() -> list[str]:
+    return list(rules.all_rules())
+
+
+def get(name: str) -> ModuleType:
+    if name not in rules.all_rules():
+        raise ValueError(f"unknown backend {name!r} (known: {', '.join(names())})")
+    return importlib.import_module(f"{__name__}.{name}")
