@@ -18,6 +18,9 @@
  *     4 bias  [batch, N]     per-column bias (keys with epilogue.bias); batch stride 0 = shared
  *     5.. R_i [batch, M, N]  residuals (epilogue.residuals of them)
  *   scalars: 0 alpha, 1 beta, 2 clamp low, 3 clamp high
+ *   params (run-time tuning, no recompilation; 0 = the kernel's choice):
+ *     params[0] raster order of output tiles: 0 heuristic, 1 along M, 2 along N
+ *     params[1] tile swizzle: 0 heuristic, else 1, 2, 4 or 8
  *
  *   Grouped convolution (channels-last with a group axis; spatial rank S = 1, 2 or 3):
  *     0 X  input   [N, spatial_in..., G, C/G]
