@@ -34,6 +34,18 @@ def names() -> list[str]:
     return list(rules.all_rules())
 
 
+def auto_select() -> tuple[str, list[str]]:
+    """The available backend of highest auto_priority (rules data), and why each better one was not."""
+    reasons = []
+    ranked = sorted(names(), key=lambda n: -rules.backend_rules(n).get("auto_priority", 0))
+    for name in ranked:
+        ok, why = get(name).available()
+        if ok:
+            return name, reasons
+        reasons.append(f"{name}: {why}")
+    raise RuntimeError("no backend is available: " + "; ".join(reasons))
+
+
 def get(name: str) -> ModuleType:
     if name not in rules.all_rules():
         raise ValueError(f"unknown backend {name!r} (known: {', '.join(names())})")
