@@ -63,11 +63,14 @@ class KernelCacheDir(SCons.CacheDir.CacheDir):
         return subdir, os.path.join(subdir, sig)
 
     def retrieve(self, node):
-        hit = super().retrieve(node)
-        if hit and node.name.endswith(".so"):
+        if not self.is_enabled():
+            return False
+        if SCons.CacheDir.CacheRetrieveSilent(node, [], node.get_build_env(), execute=1) != 0:
+            return False
+        if node.name.endswith(".so"):  # our own line instead of SCons's "Retrieved ..."
             PROGRESS.cached += 1
             PROGRESS.line("cached  ", node.name[:-3])
-        return hit
+        return True
 
 
 def _render_action(target, source, env):
