@@ -120,3 +120,34 @@ def conv_bwd_weight(x, dy, filter_spatial, stride, dilation, pad_lo, pad_hi) -> 
         xs = xp[(slice(None),) + sl].reshape(-1, g, cg).transpose(1, 0, 2)  # [G, P, C/G]
         dw[(slice(None), slice(None)) + t] = np.matmul(dyt, xs)
     return dw
+
+
+_ACTIVATIONS = {
+    "identity": lambda v, lo, hi: v,
+    "relu": lambda v, lo, hi: np.maximum(v, 0.0),
+    "gelu_tanh": lambda v, lo, hi: 0.5 * v * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (v + 0.044715 * v ** 3))),
+    "gelu_erf": lambda v, lo, hi: 0.5 * v * (1.0 + _erf(v / np.sqrt(2.0))),
+    "silu": lambda v, lo, hi: v / (1.0 + np.exp(-v)),
+    "sigmoid": lambda v, lo, hi: 1.0 / (1.0 + np.exp(-v)),
+    "tanh": lambda v, lo, hi: np.tanh(v),
+    "clamp": lambda v, lo, hi: np.clip(v, lo, hi),
+}
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    from math import erf
+
+    return np.vectorize(erf, otypes=[np.float64])(x)
+
+
+def gemm(a, b, c=None, bias=None, residuals=(), alpha=1.0, beta=0.0, activation="identity",
+         clamp=(-np.inf, np.inf)) -> np.ndarray:
+    """act(alpha * a @ b + beta * c + bias + sum(residuals)) in float64; a [.., m, k], b [.., k, n]."""
+    out = alpha * np.matmul(_f64(a), _f64(b))
+    if c is not None and beta != 0:
+        out = out + beta * _f64(c)
+    if bias is not None:
+        out = out + _f64(bias)[..., None, :] if _f64(bias).ndim == 2 else out + _f64(bias)
+    for r in residuals:
+        out = out + _f64(r)
+    return _ACTIVATIONS[activation](out, clamp[0], clamp[1])

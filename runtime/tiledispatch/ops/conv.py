@@ -1,0 +1,380 @@
+"""Grouped convolution: the problem descriptor, its match against kernel keys, and binding arrays to the C ABI.
+
+Same interface as ops/gemm.py: a frozen ConvProblem carrying the full signature, mismatch(key),
+flops(), gemm_shape() for the rankers, Operands, operands(...) building both with every check, and
+make_args(problem, key, operands) filling td_args (dummy pointers when operands is None).
+
+Arrays come in one of two forms, chosen by the caller with `groups`:
+  groups=None  explicit group axis (the ABI's form): x [N, in..., G, C/G], w [G, K/G, filter..., C/G],
+               y [N, out..., G, K/G]
+  groups=G     the frameworks' logical form: x [N, C, in...], w [K, C/G, filter...], y [N, K, out...];
+               torch channels_last (or channels_last_3d) tensors hold exactly the explicit-axis memory, so
+               they are used in place. Channels must be contiguous (unit stride): a plain NCHW tensor is
+               refused with a reason, never copied behind the caller's back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import prod
+from typing import ClassVar, Optional, Sequence, Union
+
+from .. import abi
+from ..arrays import ArrayView, empty_like_device, view
+from ..errors import InvalidInputError
+from ..spec.dtypes import DTYPES, dtype
+from ..spec.key import CONV_LAYOUTS, DIRECTIONS, Epilogue, KernelKey
+
+DUMMY_PTR = 1 << 20  # aligned, never dereferenced: can-run checks look at shapes and strides only
+CONV_DIRECTIONS = DIRECTIONS[1:]
+# the tensor each direction writes: X (bwd_data), W (bwd_weight) or Y (fwd)
+WRITES = {"fwd": "y", "bwd_data": "x", "bwd_weight": "w"}
+
+IntOrSeq = Union[int, Sequence[int]]
+
+
+def _ints(name: str, value, rank: int, low: int) -> tuple[int, ...]:
+    """An int (every dim) or rank ints, each >= low."""
+    values = (value,) * rank if isinstance(value, int) and not isinstance(value, bool) else tuple(value)
+    if len(values) != rank or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise InvalidInputError(f"conv {name} must be an integer or {rank} integers (one per spatial dim), got {value!r}")
+    if any(v < low for v in values):
+        raise InvalidInputError(f"conv {name} must be >= {low} in every spatial dim, got {list(values)}")
+    return values
+
+
+@dataclass(frozen=True)
+class ConvProblem:
+    """One grouped convolution: direction, sizes, geometry and dtypes.
+
+    c and k are total channels (divisible by g); in_size, filter_size, stride, dilation, pad_lo and
+    pad_hi have one value per spatial dim, outermost first (1D: W; 2D: H, W; 3D: D, H, W).
+    dtype_x / dtype_w / dtype_y are the dtypes of X, W, Y (the key's dtype_a / dtype_b / dtype_c).
+    """
+    direction: str
+    n: int
+    g: int
+    c: int
+    k: int
+    in_size: tuple[int, ...]
+    filter_size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dilation: tuple[int, ...]
+    pad_lo: tuple[int, ...]
+    pad_hi: tuple[int, ...]
+    dtype_x: str
+    dtype_w: str
+    dtype_y: str
+    layout: str = "nhwgc"
+    epilogue: Epilogue = field(default_factory=Epilogue)
+    op: ClassVar[str] = "conv"
+
+    def __post_init__(self):
+        if self.direction not in CONV_DIRECTIONS:
+            raise InvalidInputError(f"conv direction must be one of {', '.join(CONV_DIRECTIONS)}, got {self.direction!r}")
+        for name in ("n", "g", "c", "k"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise InvalidInputError(f"conv {name.upper()} must be an integer >= 1, got {v!r}")
+        for name in ("c", "k"):
+            if getattr(self, name) % self.g:
+                raise InvalidInputError(f"conv groups G = {self.g} do not divide {name.upper()} = {getattr(self, name)}")
+        if not isinstance(self.in_size, (tuple, list)) or len(self.in_size) not in (1, 2, 3):
+            raise InvalidInputError(f"conv in_size needs 1, 2 or 3 spatial sizes, got {self.in_size!r}")
+        rank = len(self.in_size)
+        for name, low in (("in_size", 1), ("filter_size", 1), ("stride", 1), ("dilation", 1), ("pad_lo", 0),
+                          ("pad_hi", 0)):
+            object.__setattr__(self, name, _ints(name, getattr(self, name), rank, low))
+        for name in ("dtype_x", "dtype_w", "dtype_y"):
+            if getattr(self, name) not in DTYPES:
+                raise InvalidInputError(f"conv {name}: unknown dtype {getattr(self, name)!r}")
+        if self.layout not in CONV_LAYOUTS:
+            raise InvalidInputError(f"conv layout must be one of {', '.join(CONV_LAYOUTS)}, got {self.layout!r}")
+        for d in range(rank):
+            span = self.in_size[d] + self.pad_lo[d] + self.pad_hi[d] - self.dilation[d] * (self.filter_size[d] - 1)
+            if span < 1:
+                raise InvalidInputError(
+                    f"conv spatial dim {d}: padded input {self.in_size[d]} + {self.pad_lo[d]} + {self.pad_hi[d]} is "
+                    f"smaller than the dilated filter {self.dilation[d] * (self.filter_size[d] - 1) + 1}")
+
+    # -- derived sizes ----------------------------------------------------------------------------
+    @property
+    def spatial_dims(self) -> int:
+        return len(self.in_size)
+
+    @property
+    def out_size(self) -> tuple[int, ...]:
+        return tuple((i + lo + hi - d * (f - 1) - 1) // s + 1 for i, f, s, d, lo, hi in
+                     zip(self.in_size, self.filter_size, self.stride, self.dilation, self.pad_lo, self.pad_hi))
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Explicit-group-axis shapes of X, W and Y."""
+        cg, kg = self.c // self.g, self.k // self.g
+        return {"x": (self.n, *self.in_size, self.g, cg), "w": (self.g, kg, *self.filter_size, cg),
+                "y": (self.n, *self.out_size, self.g, kg)}
+
+    def flops(self) -> int:
+        return 2 * self.n * prod(self.out_size) * self.k * (self.c // self.g) * prod(self.filter_size)
+
+    def gemm_shape(self) -> tuple[int, int, int, int]:
+        """(m, n, k, batch) of the implicit GEMM per group that the direction performs."""
+        cg, kg, taps = self.c // self.g, self.k // self.g, prod(self.filter_size)
+        if self.direction == "fwd":
+            return self.n * prod(self.out_size), kg, taps * cg, self.g
+        if self.direction == "bwd_data":
+            return self.n * prod(self.in_size), cg, taps * kg, self.g
+        return kg, taps * cg, self.n * prod(self.out_size), self.g
+
+    # -- matching ---------------------------------------------------------------------------------
+    def mismatch(self, key: KernelKey) -> Optional[str]:
+        """Why the key's signature cannot serve this problem, or None when it can."""
+        sig = key.signature
+        if sig.op != "conv":
+            return f"kernel computes {sig.op}, not conv"
+        if sig.direction != self.direction:
+            return f"kernel computes conv {sig.direction}, problem is conv {self.direction}"
+        if sig.spatial_dims != self.spatial_dims:
+            return f"kernel is a {sig.spatial_dims}D convolution, problem is {self.spatial_dims}D"
+        for role, mine in (("a", "x"), ("b", "w"), ("c", "y")):
+            want, have = getattr(self, f"dtype_{mine}"), getattr(sig, f"dtype_{role}")
+            if want != have:
+                return f"kernel takes {mine.upper()} as {have}, problem has {want}"
+        if sig.layout != self.layout:
+            return f"kernel has layout {sig.layout}, problem has {self.layout}"
+        if sig.epilogue != self.epilogue:
+            return f"kernel fuses epilogue {sig.epilogue}, problem asks for {self.epilogue}"
+        return None
+
+    def __str__(self) -> str:
+        def dims(t):
+            return "x".join(map(str, t))
+        return (f"conv{self.spatial_dims}d {self.direction} N={self.n} G={self.g} C={self.c} K={self.k} "
+                f"in={dims(self.in_size)} filter={dims(self.filter_size)} stride={dims(self.stride)} "
+                f"dilation={dims(self.dilation)} pad={dims(self.pad_lo)}/{dims(self.pad_hi)} "
+                f"{self.dtype_x}/{self.dtype_w}->{self.dtype_y} {self.layout}")
+
+    def to_dict(self) -> dict:
+        return {"op": "conv", "direction": self.direction, "spatial_dims": self.spatial_dims, "n": self.n,
+                "g": self.g, "c": self.c, "k": self.k, "in_size": list(self.in_size),
+                "filter_size": list(self.filter_size), "stride": list(self.stride), "dilation": list(self.dilation),
+                "pad_lo": list(self.pad_lo), "pad_hi": list(self.pad_hi), "dtype_x": self.dtype_x,
+                "dtype_w": self.dtype_w, "dtype_y": self.dtype_y, "layout": self.layout,
+                "epilogue": {"activation": self.epilogue.activation, "bias": self.epilogue.bias,
+                             "residuals": self.epilogue.residuals}}
+
+
+@dataclass
+class Operands:
+    """Explicit-group-axis views of X, W, Y; `out` is the caller's object for the written tensor."""
+    x: ArrayView
+    w: ArrayView
+    y: ArrayView
+    out: object
+
+    def all(self) -> list[ArrayView]:
+        return [self.x, self.w, self.y]
+
+
+# -- array forms ------------------------------------------------------------------------------------
+def _explicit(v: ArrayView, role: str, groups: Optional[int], rank: int) -> ArrayView:
+    """The explicit-group-axis view of v (role x, w or y); logical NC... tensors are re-strided, not copied."""
+    if groups is None:
+        if v.ndim != rank + 3:
+            raise InvalidInputError(f"{role} has shape {list(v.shape)}: a {rank}D convolution with an explicit group "
+                                    f"axis takes rank {rank + 3} ({_FORMS[role][0]})")
+        return v
+    if v.ndim != rank + 2:
+        raise InvalidInputError(f"{role} has shape {list(v.shape)}: with groups={groups}, a {rank}D convolution takes "
+                                f"rank {rank + 2} ({_FORMS[role][1]})")
+    lead, chan = v.shape[0], v.shape[1]
+    s_lead, s_chan = v.strides[0], v.strides[1]
+    sp, s_sp = v.shape[2:], v.strides[2:]
+    if role == "w":  # [K, C/G, filter...] -> [G, K/G, filter..., C/G]
+        if lead % groups:
+            raise InvalidInputError(f"w has K = {lead} output channels, not divisible by groups = {groups}")
+        shape = (groups, lead // groups, *sp, chan)
+        strides = ((lead // groups) * s_lead, s_lead, *s_sp, s_chan)
+    else:            # [N, C, spatial...] -> [N, spatial..., G, C/G]
+        if chan % groups:
+            raise InvalidInputError(f"{role} has {chan} channels, not divisible by groups = {groups}")
+        shape = (lead, *sp, groups, chan // groups)
+        strides = (s_lead, *s_sp, (chan // groups) * s_chan, s_chan)
+    return ArrayView(v.ptr, shape, strides, v.dtype, v.device, v.obj)
+
+
+_FORMS = {"x": ("[N, in..., G, C/G]", "[N, C, in...]"), "w": ("[G, K/G, filter..., C/G]", "[K, C/G, filter...]"),
+          "y": ("[N, out..., G, K/G]", "[N, K, out...]")}
+
+
+def _logical_shape(shape: tuple[int, ...], role: str, groups: Optional[int]) -> tuple[int, ...]:
+    """The caller's shape for an explicit-axis shape (to allocate an output in the caller's form)."""
+    if groups is None:
+        return shape
+    if role == "w":
+        return (shape[0] * shape[1], shape[-1], *shape[2:-1])
+    return (shape[0], shape[-2] * shape[-1], *shape[1:-2])
+
+
+def _allocate(like: ArrayView, role: str, explicit_shape: tuple[int, ...], dtype_name: str, groups: Optional[int]):
+    """A new output whose memory is the explicit-axis layout, in the caller's form."""
+    new = empty_like_device(like, explicit_shape, dtype_name)
+    if groups is None:
+        return new
+    rank = len(explicit_shape) - 3
+    # move the (G, C/G) axes to position 1 and merge them: a channels-last tensor of logical shape [N, C, ...]
+    if role == "w":
+        perm = (0, 1, rank + 2, *range(2, rank + 2))
+        merged = new.transpose(perm) if hasattr(new, "transpose") else new
+        return merged.reshape(_logical_shape(explicit_shape, role, groups))
+    perm = (0, rank + 1, rank + 2, *range(1, rank + 1))
+    moved = new.permute(*perm) if hasattr(new, "permute") else new.transpose(perm)
+    return moved.reshape(_logical_shape(explicit_shape, role, groups))
+
+
+def operands(direction: str, x=None, w=None, y=None, *, stride: IntOrSeq = 1, dilation: IntOrSeq = 1,
+             padding: Optional[IntOrSeq] = None, pad_lo: Optional[IntOrSeq] = None,
+             pad_hi: Optional[IntOrSeq] = None, groups: Optional[int] = None,
+             in_size: Optional[Sequence[int]] = None, filter_size: Optional[Sequence[int]] = None,
+             spatial_dims: Optional[int] = None):
+    """Check the arrays against each other and return (ConvProblem, Operands).
+
+    fwd reads x and w and writes y; bwd_data reads y (dY) and w and writes x (dX); bwd_weight reads x
+    and y (dY) and writes w (dW). The written array may be None: it is allocated (in the caller's
+    form), and bwd_data then needs in_size, bwd_weight filter_size. padding is symmetric; pad_lo and
+    pad_hi give the two sides (asymmetric); each is an int (every dim) or one int per spatial dim.
+    """
+    if direction not in CONV_DIRECTIONS:
+        raise InvalidInputError(f"conv direction must be one of {', '.join(CONV_DIRECTIONS)}, got {direction!r}")
+    written = WRITES[direction]
+    given = {"x": x, "w": w, "y": y}
+    for role in ("x", "w", "y"):
+        if role != written and given[role] is None:
+            raise InvalidInputError(f"conv {direction} needs {role} ({_FORMS[role][0 if groups is None else 1]})")
+    if groups is not None and (not isinstance(groups, int) or isinstance(groups, bool) or groups < 1):
+        raise InvalidInputError(f"groups must be an integer >= 1 (or None for the explicit group axis), got {groups!r}")
+    raw = {role: view(a, role) for role, a in given.items() if a is not None}
+    first = raw["w"] if "w" in raw else raw["x"]
+    rank = spatial_dims or first.ndim - (3 if groups is None else 2)
+    if rank not in (1, 2, 3):
+        raise InvalidInputError(f"{'w' if 'w' in raw else 'x'} has shape {list(first.shape)}: that is no 1D, 2D or "
+                                f"3D convolution operand")
+    v = {role: _explicit(a, role, groups, rank) for role, a in raw.items()}
+    if padding is not None and (pad_lo is not None or pad_hi is not None):
+        raise InvalidInputError("give either padding (symmetric) or pad_lo / pad_hi, not both")
+    lo = padding if padding is not None else (pad_lo if pad_lo is not None else 0)
+    hi = padding if padding is not None else (pad_hi if pad_hi is not None else 0)
+    geo = {"stride": stride, "dilation": dilation, "pad_lo": lo, "pad_hi": hi}
+
+    # sizes from the read arrays, then the written one (given or allocated) is checked against them
+    if direction == "fwd":
+        n, sp_in, g, cg = v["x"].shape[0], v["x"].shape[1:-2], v["x"].shape[-2], v["x"].shape[-1]
+        kg, filt = v["w"].shape[1], v["w"].shape[2:-1]
+    elif direction == "bwd_data":
+        n, g, kg = v["y"].shape[0], v["y"].shape[-2], v["y"].shape[-1]
+        cg, filt = v["w"].shape[-1], v["w"].shape[2:-1]
+        if "x" in v:
+            sp_in = v["x"].shape[1:-2]
+        elif in_size is None:
+            raise InvalidInputError("conv bwd_data without an output array needs in_size (the input's spatial sizes)")
+        else:
+            sp_in = tuple(in_size)
+    else:
+        n, sp_in, g, cg = v["x"].shape[0], v["x"].shape[1:-2], v["x"].shape[-2], v["x"].shape[-1]
+        kg = v["y"].shape[-1]
+        if "w" in v:
+            filt = v["w"].shape[2:-1]
+        elif filter_size is None:
+            raise InvalidInputError("conv bwd_weight without an output array needs filter_size")
+        else:
+            filt = tuple(filter_size)
+    dts = {role: a.dtype for role, a in v.items()}
+    dt_default = next(iter(dts.values()))
+    problem = ConvProblem(direction, n, g, cg * g, kg * g, tuple(sp_in), tuple(filt), **geo,
+                          dtype_x=dts.get("x", dt_default), dtype_w=dts.get("w", dt_default),
+                          dtype_y=dts.get("y", dt_default))
+    shapes = problem.shapes()
+    if written not in v:
+        out = _allocate(v[next(iter(v))], written, shapes[written], dt_default, groups)
+        v[written] = _explicit(view(out, written), written, groups, rank)
+    else:
+        out = given[written]
+    for role in ("x", "w", "y"):
+        if tuple(v[role].shape) != shapes[role]:
+            got = list(raw[role].shape) if role in raw else list(v[role].shape)
+            want = list(_logical_shape(shapes[role], role, groups))
+            raise InvalidInputError(f"{role} has shape {got}, expected {want} ({_FORMS[role][0 if groups is None else 1]}) "
+                                    f"for {problem}")
+        if v[role].shape[-1] > 1 and v[role].strides[-1] != 1:
+            hint = " (use a channels_last tensor)" if groups is not None else ""
+            raise InvalidInputError(f"{role} must have contiguous channels (unit stride along C/G or K/G); its "
+                                    f"strides are {list(raw[role].strides if role in raw else v[role].strides)}{hint}")
+    devices = {a.device for a in v.values()}
+    if len(devices) > 1:
+        raise InvalidInputError(f"arrays live on different devices: {sorted(devices)}")
+    return problem, Operands(v["x"], v["w"], v["y"], out)
+
+
+def _dense(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return tuple(reversed(strides))
+
+
+def make_args(problem: ConvProblem, key: KernelKey, ops: Optional[Operands] = None, *, alpha: float = 1.0,
+              beta: float = 0.0) -> abi.TdArgs:
+    sig = key.signature
+    p = problem
+    args = abi.TdArgs()
+    args.abi_version = abi.ABI_VERSION
+    args.num_tensors = 3
+    shapes = p.shapes()
+    for slot, (role, key_role) in enumerate((("x", "a"), ("w", "b"), ("y", "c"))):
+        code = dtype(getattr(sig, f"dtype_{key_role}")).code
+        if ops is None:
+            abi.set_tensor(args.tensors[slot], DUMMY_PTR, code, shapes[role], _dense(shapes[role]))
+        else:
+            v = getattr(ops, role)
+            strides = list(v.strides)
+            if v.shape[-1] == 1:  # any stride is right for a single channel; the kernel asks for 1
+                strides[-1] = 1
+            abi.set_tensor(args.tensors[slot], v.ptr, code, shapes[role], strides)
+    args.params[0] = p.spatial_dims
+    for d in range(p.spatial_dims):
+        args.params[1 + d] = p.stride[d]
+        args.params[4 + d] = p.dilation[d]
+        args.params[7 + d] = p.pad_lo[d]
+        args.params[10 + d] = p.pad_hi[d]
+    args.scalars[0], args.scalars[1] = alpha, beta
+    return args
+
+
+# -- entry points (numpy on the cpu backend, torch or cupy on GPU backends) --------------------------
+def _run(registry, direction: str, x, w, y, *, alpha: float, beta: float, kernel, stream, num_threads, **geo):
+    written = {"x": x, "w": w, "y": y}[WRITES[direction]]
+    if beta != 0 and written is None:
+        raise InvalidInputError(f"beta != 0 reads the previous contents of the output: pass out=")
+    problem, ops = operands(direction, x, w, y, **geo)
+    registry.run(problem, ops, kernel=kernel, stream=stream, num_threads=num_threads, alpha=alpha, beta=beta)
+    return ops.out
+
+
+def fwd(registry, x, w, out=None, *, alpha: float = 1.0, beta: float = 0.0, kernel=None, stream=None,
+        num_threads: int = 0, **geo):
+    """y = alpha * conv(x, w) + beta * out; returns out (allocated when None). geo: see operands()."""
+    return _run(registry, "fwd", x, w, out, alpha=alpha, beta=beta, kernel=kernel, stream=stream,
+                num_threads=num_threads, **geo)
+
+
+def bwd_data(registry, dy, w, out=None, *, alpha: float = 1.0, beta: float = 0.0, kernel=None, stream=None,
+             num_threads: int = 0, **geo):
+    """dx = alpha * conv_bwd_data(dy, w) + beta * out; without out, give in_size."""
+    return _run(registry, "bwd_data", out, w, dy, alpha=alpha, beta=beta, kernel=kernel, stream=stream,
+                num_threads=num_threads, **geo)
+
+
+def bwd_weight(registry, x, dy, out=None, *, alpha: float = 1.0, beta: float = 0.0, kernel=None, stream=None,
+               num_threads: int = 0, **geo):
+    """dw = alpha * conv_bwd_weight(x, dy) + beta * out; without out, give filter_size."""
+    return _run(registry, "bwd_weight", x, out, dy, alpha=alpha, beta=beta, kernel=kernel, stream=stream,
+                num_threads=num_threads, **geo)

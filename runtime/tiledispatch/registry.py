@@ -1,0 +1,162 @@
+"""The registry: the kernels of one bundle, matched, ranked and launched.
+
+load(bundle) verifies every kernel file's sha256 and its embedded key against the manifest before
+anything runs. Selection keeps the kernels whose signature matches the problem and whose own
+td_can_run accepts it, then ranks them. run() launches exactly one kernel, once.
+"""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from types import ModuleType
+from typing import Callable, Optional, Union
+
+from . import abi, bundle, selection
+from .backends import get as get_backend
+from .errors import BundleError, InvalidInputError, KernelRuntimeError, UnsupportedProblemError
+from .spec import rules
+from .spec.key import KernelKey
+
+
+class Kernel:
+    """One kernel of a bundle: its key, file and loaded library."""
+
+    def __init__(self, key: KernelKey, path: Path, origin: str = ""):
+        self.key, self.name, self.path, self.origin = key, key.name, path, origin
+        try:
+            self.library = abi.KernelLibrary(path)
+        except OSError as e:
+            raise BundleError(f"{path}: cannot be loaded: {e}") from None
+        if self.library.abi_version() != abi.ABI_VERSION:
+            raise BundleError(f"{path}: ABI version {self.library.abi_version()}, runtime has {abi.ABI_VERSION}")
+        try:
+            embedded = KernelKey.from_json(self.library.key_json())
+        except ValueError as e:
+            raise BundleError(f"{path}: embedded key is unreadable: {e}") from None
+        if embedded != key:
+            raise BundleError(f"{path}: the library reports key {embedded.name}, the manifest says {key.name}")
+
+    def __repr__(self) -> str:
+        return f"Kernel({self.name})"
+
+
+def op_module(op: str) -> ModuleType:
+    try:
+        return importlib.import_module(f"{__package__}.ops.{op}")
+    except ModuleNotFoundError:
+        raise UnsupportedProblemError(f"op {op!r} is not supported by this runtime") from None
+
+
+class Registry:
+    def __init__(self, kernels: list[Kernel], backend: str, arch: str, manifest: Optional[dict] = None):
+        self.kernels = kernels
+        self.backend, self.arch = backend, arch
+        self.manifest = manifest or {}
+        self.device = rules.backend_rules(backend)["device"]
+        self._checked_runnable = False
+
+    def __len__(self) -> int:
+        return len(self.kernels)
+
+    def kernel(self, name: str) -> Kernel:
+        for k in self.kernels:
+            if k.name == name:
+                return k
+        raise UnsupportedProblemError(f"no kernel named {name} in this registry")
+
+    # -- matching ---------------------------------------------------------------------------------
+    def explain(self, problem, operands=None) -> list[tuple[Kernel, Optional[str]]]:
+        """Each kernel with the reason it cannot run the problem (None when it can)."""
+        ops = op_module(problem.op)
+        out = []
+        for kern in self.kernels:
+            reason = problem.mismatch(kern.key)
+            if reason is None:
+                status, why = kern.library.can_run(ops.make_args(problem, kern.key, operands))
+                reason = None if status == abi.OK else why
+            out.append((kern, reason))
+        return out
+
+    def candidates(self, problem, operands=None) -> list[Kernel]:
+        return [k for k, reason in self.explain(problem, operands) if reason is None]
+
+    def supports(self, problem) -> bool:
+        return bool(self.candidates(problem))
+
+    def select(self, problem, ranker: Union[str, Callable] = "analytic", operands=None) -> Kernel:
+        explained = self.explain(problem, operands)
+        fits = [k for k, reason in explained if reason is None]
+        if not fits:
+            raise UnsupportedProblemError(_no_kernel_message(problem, explained))
+        rank = selection.RANKERS[ranker] if isinstance(ranker, str) else ranker
+        return rank(problem, fits)[0]
+
+    # -- running ----------------------------------------------------------------------------------
+    def run(self, problem, operands, *, kernel: Union[Kernel, str, None] = None, stream=None,
+            num_threads: int = 0, **scalars) -> Kernel:
+        """Launch one kernel once on the operands; returns the kernel used."""
+        ops = op_module(problem.op)
+        self._check_device(operands)
+        if isinstance(kernel, str):
+            kernel = self.kernel(kernel)
+        if kernel is None:
+            kernel = self.select(problem, operands=operands)
+        else:
+            reason = problem.mismatch(kernel.key)
+            if reason:
+                raise UnsupportedProblemError(f"{kernel.name} cannot run {problem}: its signature has {reason}")
+        args = ops.make_args(problem, kernel.key, operands, **scalars)
+        args.num_threads = num_threads
+        args.stream = stream
+        status, reason = kernel.library.run(args)
+        if status == abi.UNSUPPORTED:
+            raise UnsupportedProblemError(f"{kernel.name}: {reason}")
+        if status == abi.INVALID_ARGUMENT:
+            raise InvalidInputError(f"{kernel.name}: {reason}")
+        if status != abi.OK:
+            raise KernelRuntimeError(f"{kernel.name}: {reason}")
+        return kernel
+
+    def gemm(self, a, b, out=None, *, c=None, bias=None, residuals=(), alpha: float = 1.0, beta: float = 0.0,
+             activation: str = "identity", clamp=(float("-inf"), float("inf")), kernel=None, stream=None,
+             num_threads: int = 0):
+        """out = act(alpha * a @ b + beta * c + bias + sum(residuals)); returns out (allocated if None)."""
+        from .ops import gemm as gemm_op
+
+        if beta != 0 and c is None:
+            raise InvalidInputError("beta != 0 needs c")
+        problem, operands = gemm_op.operands(a, b, out, c, bias, residuals, activation)
+        self.run(problem, operands, kernel=kernel, stream=stream, num_threads=num_threads,
+                 alpha=alpha, beta=beta, clamp=tuple(clamp))
+        return operands.out
+
+    def _check_device(self, operands) -> None:
+        devices = {v.device for v in operands.all()}
+        if devices != {self.device}:
+            raise InvalidInputError(f"this {self.backend} bundle runs on {self.device} memory; the arrays are on "
+                                    f"{', '.join(sorted(devices))}")
+        if not self._checked_runnable:
+            ok, why = get_backend(self.backend).runnable(self.arch)
+            if not ok:
+                raise BundleError(f"bundle built for {self.backend}/{self.arch} cannot run here: {why}")
+            self._checked_runnable = True
+
+
+def _no_kernel_message(problem, explained) -> str:
+    lines = [f"no kernel can run {problem}"]
+    for kern, reason in explained[:8]:
+        lines.append(f"  {kern.name}: {reason}")
+    if len(explained) > 8:
+        lines.append(f"  ... and {len(explained) - 8} more")
+    if not explained:
+        lines.append("  (the registry is empty)")
+    return "\n".join(lines)
+
+
+def load(bundle_dir: Union[str, Path]) -> Registry:
+    """Load a bundle: verify the manifest, every file's sha256 and every embedded key."""
+    manifest = bundle.read_manifest(bundle_dir)
+    kernels = [Kernel(e["_key"], e["_path"], e.get("origin", "")) for e in manifest["kernels"]]
+    if not kernels:
+        raise BundleError(f"{bundle_dir}: the bundle has no kernels")
+    return Registry(kernels, manifest["backend"], manifest["arch"], manifest)

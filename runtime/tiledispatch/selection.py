@@ -1,0 +1,48 @@
+"""Rankers: order the kernels that can run a problem, best first.
+
+first_fit keeps the registry's order. analytic estimates each kernel's time from its tile shape:
+output tiles spread over the machine's compute units in waves, padded work at the edges, and a tile
+efficiency that grows with the tile's arithmetic intensity until it saturates.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+from .spec import rules
+
+
+def first_fit(problem, kernels) -> list:
+    return list(kernels)
+
+
+def compute_units(backend: str, arch: str) -> int:
+    units = rules.archs(backend)[arch].get("compute_units")
+    return int(units) if units else (os.cpu_count() or 1)
+
+
+def estimated_cost(problem, key) -> float:
+    """Relative time of one kernel on one problem (lower is better); only the ranking matters."""
+    tm, tn, tk = key.algorithm.tile
+    split = key.algorithm.split_k
+    m, n, k, batch = _gemm_view(problem)
+    tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch * split
+    waves = math.ceil(tiles / compute_units(key.backend, key.arch))
+    k_per_tile = math.ceil(math.ceil(k / split) / tk) * tk
+    knee = rules.backend_rules(key.backend).get("selection", {}).get("intensity_knee", 64.0)
+    efficiency = min(1.0, (tm * tn / (tm + tn)) / knee)
+    return waves * tm * tn * k_per_tile / efficiency
+
+
+def analytic(problem, kernels) -> list:
+    return sorted(kernels, key=lambda kern: (estimated_cost(problem, kern.key), kern.name))
+
+
+def _gemm_view(problem) -> tuple[int, int, int, int]:
+    """(m, n, k, batch) of the implicit GEMM an op performs."""
+    if hasattr(problem, "gemm_shape"):
+        return problem.gemm_shape()
+    return problem.m, problem.n, problem.k, problem.batch
+
+
+RANKERS = {"first_fit": first_fit, "analytic": analytic}

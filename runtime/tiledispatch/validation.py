@@ -1,0 +1,48 @@
+"""Validation on random data: inputs that are never zeros, outputs poisoned first, and a per-dtype
+tolerance on ||out - ref|| / ||ref|| (from the backend's rules data)."""
+from __future__ import annotations
+
+import numpy as np
+
+from .spec import rules
+from .spec.dtypes import dtype, numpy_dtype
+from .spec.key import KernelKey
+
+
+def random_array(rng: np.random.Generator, shape, dtype_name: str) -> np.ndarray:
+    """Uniform values with no exact zeros: [-1, 1] for floats, [-8, 8] \\ {0} for integers."""
+    if dtype(dtype_name).kind == "int":
+        v = rng.integers(1, 9, size=shape) * rng.choice([-1, 1], size=shape)
+        return v.astype(numpy_dtype(dtype_name))
+    v = rng.uniform(0.05, 1.0, size=shape) * rng.choice([-1.0, 1.0], size=shape)
+    return v.astype(numpy_dtype(dtype_name))
+
+
+def poison(a: np.ndarray) -> np.ndarray:
+    """Fill with NaN (floats) or a sentinel (integers) so an unwritten element cannot pass."""
+    a[...] = np.nan if dtype_kind(a) == "float" else np.iinfo(a.dtype).min
+    return a
+
+
+def dtype_kind(a: np.ndarray) -> str:
+    return "int" if np.issubdtype(a.dtype, np.integer) else "float"
+
+
+def tolerance(key: KernelKey) -> float:
+    table = rules.backend_rules(key.backend).get("tolerance") or {}
+    if key.signature.dtype_c not in table:
+        raise ValueError(f"no validation tolerance for output {key.signature.dtype_c} in the {key.backend} rules")
+    return float(table[key.signature.dtype_c])
+
+
+def compare(out, ref: np.ndarray, key: KernelKey) -> dict:
+    """rel_error = ||out - ref|| / ||ref|| (float64); NaN or an unwritten sentinel fails."""
+    out64 = np.asarray(out).astype(np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    tol = tolerance(key)
+    finite = bool(np.isfinite(out64).all())
+    if dtype_kind(np.asarray(out)) == "int":
+        finite = finite and not (np.asarray(out) == np.iinfo(np.asarray(out).dtype).min).any()
+    denom = float(np.linalg.norm(ref)) or 1.0
+    err = float(np.linalg.norm(out64 - ref) / denom) if finite else float("inf")
+    return {"rel_error": err, "tolerance": tol, "all_written": finite, "passed": finite and err <= tol}

@@ -1,0 +1,61 @@
+"""Shared fixtures: a copy of the build inputs to edit freely, and a scons runner."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BUILD_INPUTS = ("SConstruct", "site_scons", "runtime", "templates", "preselected", "kernel_specs")
+
+
+def copy_repo(dest: Path) -> Path:
+    """The build inputs in dest, so a test can edit templates or sets without touching the checkout."""
+    for name in BUILD_INPUTS:
+        src = REPO / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy2(src, dest / name)
+    return dest
+
+
+def scons(root: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """Run scons in root; the runtime package comes from root (site_init puts it first on sys.path)."""
+    cmd = [sys.executable, "-m", "SCons", "-Q", "-C", str(root), *args]
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"scons failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def summary(proc: subprocess.CompletedProcess) -> dict:
+    """The counts of the final 'N kernel(s): a compiled, b from cache, c up to date, d failed' line."""
+    m = re.search(r"(\d+) kernel\(s\): (\d+) (?:compiled|checked), (\d+) from cache, (\d+) up to date, (\d+) failed",
+                  proc.stdout)
+    assert m, proc.stdout + proc.stderr
+    total, compiled, cached, up_to_date, failed = map(int, m.groups())
+    return {"total": total, "compiled": compiled, "cached": cached, "up_to_date": up_to_date, "failed": failed}
+
+
+def compiled_names(proc: subprocess.CompletedProcess) -> set[str]:
+    return set(re.findall(r"\] compiled (\S+)", proc.stdout))
+
+
+CPU_GEMM_SETS = ("fp16_rcr_essential", "bf16_rcr_essential", "fp32_rcr_essential", "int8_rcr_essential",
+                 "fp16_all_layouts", "fp16_rcr_fused")
+
+
+@pytest.fixture(scope="session")
+def gemm_bundle(tmp_path_factory) -> Path:
+    """One cpu bundle holding every kernel of every preselected GEMM set."""
+    build = tmp_path_factory.mktemp("gemm_build")
+    scons(REPO, f"kernels={','.join(CPU_GEMM_SETS)}", "backend=cpu", f"build_dir={build}",
+          f"cache_dir={build / 'cache'}", "bundle=all")
+    return build / "all"
