@@ -16,6 +16,7 @@ BUILD_INPUTS = ("SConstruct", "site_scons", "runtime", "templates", "preselected
 
 def copy_repo(dest: Path) -> Path:
     """The build inputs in dest, so a test can edit templates or sets without touching the checkout."""
+    dest.mkdir(parents=True, exist_ok=True)
     for name in BUILD_INPUTS:
         src = REPO / name
         if src.is_dir():

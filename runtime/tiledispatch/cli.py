@@ -41,25 +41,6 @@ def _gemm_problem(reg, a: argparse.Namespace) -> gemm_op.GemmProblem:
     return gemm_op.GemmProblem(a.m, a.n, a.k, dt, dt, dtype_c, layout, a.batch, epi)
 
 
-def _operand(rng, rows: int, cols: int, batch: int, letter: str, dtype_name: str) -> np.ndarray:
-    """A [batch, rows, cols] array with the given layout letter (c: column-major storage)."""
-    if letter == "c":
-        return np.swapaxes(validation.random_array(rng, (batch, cols, rows), dtype_name), 1, 2)
-    return validation.random_array(rng, (batch, rows, cols), dtype_name)
-
-
-def _gemm_data(p: gemm_op.GemmProblem, rng) -> dict:
-    data = {
-        "a": _operand(rng, p.m, p.k, p.batch, p.layout[0], p.dtype_a),
-        "b": _operand(rng, p.k, p.n, p.batch, p.layout[1], p.dtype_b),
-        "out": validation.poison(_operand(rng, p.m, p.n, p.batch, p.layout[2], p.dtype_c)),
-        "bias": validation.random_array(rng, (p.n,), p.dtype_c) if p.epilogue.bias else None,
-        "residuals": tuple(validation.random_array(rng, (p.batch, p.m, p.n), p.dtype_c)
-                           for _ in range(p.epilogue.residuals)),
-    }
-    return data
-
-
 def _run_once(reg, p, data, kernel, scalars) -> float:
     start = time.perf_counter()
     reg.gemm(data["a"], data["b"], data["out"], bias=data["bias"], residuals=data["residuals"],
@@ -96,7 +77,7 @@ def cmd_select(reg, a) -> int:
 
 def cmd_run(reg, a) -> int:
     p = _gemm_problem(reg, a)
-    data = _gemm_data(p, np.random.default_rng(a.seed))
+    data = validation.gemm_inputs(p, np.random.default_rng(a.seed))
     scalars = {"alpha": a.alpha, "beta": 0.0, "clamp": (a.clamp_low, a.clamp_high)}
     kernel = reg.kernel(a.kernel) if a.kernel else reg.select(p, a.ranker)
     ms = _run_once(reg, p, data, kernel, scalars)
@@ -114,7 +95,7 @@ def cmd_run(reg, a) -> int:
 
 def cmd_bench(reg, a) -> int:
     p = _gemm_problem(reg, a)
-    data = _gemm_data(p, np.random.default_rng(a.seed))
+    data = validation.gemm_inputs(p, np.random.default_rng(a.seed))
     scalars = {"alpha": 1.0, "beta": 0.0, "clamp": (a.clamp_low, a.clamp_high)}
     selected = reg.select(p, a.ranker)
     rows = []

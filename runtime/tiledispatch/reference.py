@@ -137,7 +137,7 @@ _ACTIVATIONS = {
 def _erf(x: np.ndarray) -> np.ndarray:
     from math import erf
 
-    return np.vectorize(erf, otypes=[np.float64])(x)
+    return np.frompyfunc(erf, 1, 1)(x).astype(np.float64)
 
 
 def gemm(a, b, c=None, bias=None, residuals=(), alpha=1.0, beta=0.0, activation="identity",

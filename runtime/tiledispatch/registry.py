@@ -144,6 +144,13 @@ class Registry:
 
 def _no_kernel_message(problem, explained) -> str:
     lines = [f"no kernel can run {problem}"]
+
+    def distance(item):  # closest kernels first: same dtypes, then same layout
+        sig = item[0].key.signature
+        return (sig.dtype_a != getattr(problem, "dtype_a", None), sig.layout != getattr(problem, "layout", None),
+                item[0].name)
+
+    explained = sorted(explained, key=distance)
     for kern, reason in explained[:8]:
         lines.append(f"  {kern.name}: {reason}")
     if len(explained) > 8:

@@ -46,3 +46,22 @@ def compare(out, ref: np.ndarray, key: KernelKey) -> dict:
     denom = float(np.linalg.norm(ref)) or 1.0
     err = float(np.linalg.norm(out64 - ref) / denom) if finite else float("inf")
     return {"rel_error": err, "tolerance": tol, "all_written": finite, "passed": finite and err <= tol}
+
+
+def operand(rng, rows: int, cols: int, batch: int, letter: str, dtype_name: str) -> np.ndarray:
+    """A random [batch, rows, cols] array stored row-major (letter r or *) or column-major (c)."""
+    if letter == "c":
+        return np.swapaxes(random_array(rng, (batch, cols, rows), dtype_name), 1, 2)
+    return random_array(rng, (batch, rows, cols), dtype_name)
+
+
+def gemm_inputs(p, rng, with_c: bool = False) -> dict:
+    """Random inputs for a GemmProblem in its layout, and a poisoned output."""
+    return {
+        "a": operand(rng, p.m, p.k, p.batch, p.layout[0], p.dtype_a),
+        "b": operand(rng, p.k, p.n, p.batch, p.layout[1], p.dtype_b),
+        "c": operand(rng, p.m, p.n, p.batch, "r", p.dtype_c) if with_c else None,
+        "out": poison(operand(rng, p.m, p.n, p.batch, p.layout[2], p.dtype_c)),
+        "bias": random_array(rng, (p.n,), p.dtype_c) if p.epilogue.bias else None,
+        "residuals": tuple(random_array(rng, (p.batch, p.m, p.n), p.dtype_c) for _ in range(p.epilogue.residuals)),
+    }

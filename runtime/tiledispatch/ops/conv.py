@@ -220,12 +220,9 @@ def _allocate(like: ArrayView, role: str, explicit_shape: tuple[int, ...], dtype
     if groups is None:
         return new
     rank = len(explicit_shape) - 3
-    # move the (G, C/G) axes to position 1 and merge them: a channels-last tensor of logical shape [N, C, ...]
-    if role == "w":
-        perm = (0, 1, rank + 2, *range(2, rank + 2))
-        merged = new.transpose(perm) if hasattr(new, "transpose") else new
-        return merged.reshape(_logical_shape(explicit_shape, role, groups))
-    perm = (0, rank + 1, rank + 2, *range(1, rank + 1))
+    # w [G, K/G, f..., C/G] -> [G, K/G, C/G, f...]; x, y [N, sp..., G, C/G] -> [N, G, C/G, sp...]; then
+    # merge the two leading channel axes: a view (no copy) of a channels-last tensor [K, C/G, f...] / [N, C, sp...]
+    perm = (0, 1, rank + 2, *range(2, rank + 2)) if role == "w" else (0, rank + 1, rank + 2, *range(1, rank + 1))
     moved = new.permute(*perm) if hasattr(new, "permute") else new.transpose(perm)
     return moved.reshape(_logical_shape(explicit_shape, role, groups))
 
