@@ -98,6 +98,18 @@ class ConvProblem:
 
     # -- derived sizes ----------------------------------------------------------------------------
     @property
+    def dtype_a(self) -> str:  # the key's names for X, W, Y (shared code reads problems of any op)
+        return self.dtype_x
+
+    @property
+    def dtype_b(self) -> str:
+        return self.dtype_w
+
+    @property
+    def dtype_c(self) -> str:
+        return self.dtype_y
+
+    @property
     def spatial_dims(self) -> int:
         return len(self.in_size)
 
