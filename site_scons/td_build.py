@@ -40,10 +40,17 @@ class Progress:
         self.cached = 0
         self.failed: list[str] = []
 
-    def line(self, what: str, name: str, extra: str = "") -> None:
+    def record(self, outcome: str, name: str, extra: str = "") -> None:
+        """Count one kernel as compiled / checked / cached / failed and print its [i/N] line."""
         with self.lock:
             self.done += 1
-            print(f"[{self.done}/{self.total}] {what} {name}{extra}", flush=True)
+            if outcome == "FAILED":
+                self.failed.append(name)
+            elif outcome == "cached":
+                self.cached += 1
+            else:
+                self.compiled += 1
+            print(f"[{self.done}/{self.total}] {outcome:8s} {name}{extra}", flush=True)
 
 
 PROGRESS = Progress()
@@ -68,8 +75,7 @@ class KernelCacheDir(SCons.CacheDir.CacheDir):
         if SCons.CacheDir.CacheRetrieveSilent(node, [], node.get_build_env(), execute=1) != 0:
             return False
         if node.name.endswith(".so"):  # our own line instead of SCons's "Retrieved ..."
-            PROGRESS.cached += 1
-            PROGRESS.line("cached  ", node.name[:-3])
+            PROGRESS.record("cached", node.name[:-3])
         return True
 
 
@@ -94,16 +100,12 @@ def _compile_action(target, source, env):
     start = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        with PROGRESS.lock:
-            PROGRESS.failed.append(key.name)
-        PROGRESS.line("FAILED  ", key.name, f"\n  declared in {env['TD_ORIGIN']}\n  command: {' '.join(cmd)}\n"
+        PROGRESS.record("FAILED", key.name, f"\n  declared in {env['TD_ORIGIN']}\n  command: {' '.join(cmd)}\n"
                       + _tail(proc.stdout + proc.stderr))
         _unlink(tmp)
         return 1
     os.replace(tmp, out)  # publish whole files only
-    PROGRESS.compiled += 1
-    what = "checked " if env["TD_MODE"] == "check" else "compiled"
-    PROGRESS.line(what, key.name, f" ({time.time() - start:.1f} s)")
+    PROGRESS.record("checked" if env["TD_MODE"] == "check" else "compiled", key.name, f" ({time.time() - start:.1f} s)")
     return 0
 
 

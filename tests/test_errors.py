@@ -125,3 +125,14 @@ def test_cli_run_validate_select_list_and_errors(gemm_bundle):
     code, out = cli("bench", str(gemm_bundle), "gemm", "--m", "64", "--n", "64", "--k", "64", "--dtype", "fp32",
                     "--layout", "rcr", "--repeat", "2")
     assert code == 0 and out["results"] and sum(r["selected"] for r in out["results"]) == 1
+
+
+def test_run_takes_a_problem_and_a_dict_of_tensors(registry):
+    a, w = f16(9, 4), f16(5, 4)
+    out = np.full((9, 5), np.nan, np.float16)
+    problem = td.GemmProblem(9, 5, 4, "fp16", "fp16", "fp16", "rcr")
+    kernel = registry.run(problem, {"a": a, "b": w.T, "out": out})
+    assert kernel.key.signature.layout == "rcr"
+    np.testing.assert_allclose(out.astype(np.float32), a.astype(np.float32) @ w.T.astype(np.float32), rtol=2e-2, atol=2e-2)
+    with pytest.raises(td.InvalidInputError, match="the tensors describe gemm m=9 n=5 k=4 .* but the problem is gemm m=9 n=6"):
+        registry.run(td.GemmProblem(9, 6, 4, "fp16", "fp16", "fp16", "rcr"), {"a": a, "b": w.T, "out": out})

@@ -94,8 +94,11 @@ class Registry:
     # -- running ----------------------------------------------------------------------------------
     def run(self, problem, operands, *, kernel: Union[Kernel, str, None] = None, stream=None,
             num_threads: int = 0, **scalars) -> Kernel:
-        """Launch one kernel once on the operands; returns the kernel used."""
+        """Launch one kernel once; operands is the op module's Operands or a dict of arrays (for GEMM:
+        a, b, out, and optionally c, bias, residuals). Returns the kernel used."""
         ops = op_module(problem.op)
+        if isinstance(operands, dict):
+            operands = ops.operands_for(problem, operands)
         self._check_device(operands)
         if isinstance(kernel, str):
             kernel = self.kernel(kernel)

@@ -175,6 +175,20 @@ def operands(a, b, out=None, c=None, bias=None, residuals=(), activation: str = 
     return problem, Operands(va, vb, vd, vc, vbias, vres, out)
 
 
+def operands_for(problem: GemmProblem, tensors: dict) -> Operands:
+    """Operands from a dict {a, b, out, c?, bias?, residuals?}, checked against the problem."""
+    unknown = set(tensors) - {"a", "b", "out", "c", "bias", "residuals"}
+    if unknown or not {"a", "b", "out"} <= set(tensors):
+        raise InvalidInputError(f"GEMM tensors are a, b, out and optionally c, bias, residuals; got {sorted(tensors)}")
+    found, ops = operands(tensors["a"], tensors["b"], tensors["out"], tensors.get("c"), tensors.get("bias"),
+                          tensors.get("residuals", ()), problem.epilogue.activation)
+    same = ("m", "n", "k", "batch", "dtype_a", "dtype_b", "dtype_c", "epilogue")
+    if any(getattr(found, f) != getattr(problem, f) for f in same) or any(
+            want not in ("*", got) and got != "*" for want, got in zip(problem.layout, found.layout)):
+        raise InvalidInputError(f"the tensors describe {found}, but the problem is {problem}")
+    return ops
+
+
 def _dense(batch: int, rows: int, cols: int, letter: str) -> tuple:
     if letter == "c":
         return (rows * cols, 1, rows)
