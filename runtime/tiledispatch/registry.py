@@ -13,9 +13,13 @@ from typing import Callable, Optional, Union
 
 from . import abi, bundle, selection
 from .backends import get as get_backend
+from .plan import Plan, fingerprint
 from .errors import BundleError, InvalidInputError, KernelRuntimeError, UnsupportedProblemError
 from .spec import rules
 from .spec.key import KernelKey
+
+
+PLAN_CACHE_SIZE = 64
 
 
 class Kernel:
@@ -54,6 +58,7 @@ class Registry:
         self.manifest = manifest or {}
         self.device = rules.backend_rules(backend)["device"]
         self._checked_runnable = False
+        self._plans: dict = {}  # gemm(): fingerprints and options -> Plan, oldest first
 
     def __len__(self) -> int:
         return len(self.kernels)
@@ -120,17 +125,45 @@ class Registry:
             raise KernelRuntimeError(f"{kernel.name}: {reason}")
         return kernel
 
+    def plan(self, problem, *, kernel: Union[Kernel, str, None] = None, stream=None, num_threads: int = 0,
+             **scalars) -> Plan:
+        """A Plan: the problem bound to one kernel (the selected one unless given), for repeated launches
+        that only swap pointers while the tensors' shapes, strides and dtypes stay the same."""
+        if isinstance(kernel, str):
+            kernel = self.kernel(kernel)
+        return Plan(self, problem, kernel or self.select(problem), stream=stream, num_threads=num_threads,
+                    **scalars)
+
     def gemm(self, a, b, out=None, *, c=None, bias=None, residuals=(), alpha: float = 1.0, beta: float = 0.0,
              activation: str = "identity", clamp=(float("-inf"), float("inf")), kernel=None, stream=None,
              num_threads: int = 0):
-        """out = act(alpha * a @ b + beta * c + bias + sum(residuals)); returns out (allocated if None)."""
+        """out = act(alpha * a @ b + beta * c + bias + sum(residuals)); returns out (allocated if None).
+
+        Repeated calls with the same shapes, strides, dtypes and options reuse a cached Plan."""
         from .ops import gemm as gemm_op
 
         if beta != 0 and c is None:
             raise InvalidInputError("beta != 0 needs c")
+        tensors = {"a": a, "b": b, "out": out, "c": c, "bias": bias, "residuals": tuple(residuals)}
+        options = (activation, alpha, beta, tuple(clamp), getattr(kernel, "name", kernel), stream, num_threads)
+        if out is not None:
+            prints = [fingerprint(t) for t in gemm_op.tensors_in_slot_order(tensors)]
+            cache_key = (options, tuple(p[1] for p in prints))
+            plan = self._plans.get(cache_key)
+            if plan is not None:
+                plan(tensors, prints)
+                return out
         problem, operands = gemm_op.operands(a, b, out, c, bias, residuals, activation)
-        self.run(problem, operands, kernel=kernel, stream=stream, num_threads=num_threads,
-                 alpha=alpha, beta=beta, clamp=tuple(clamp))
+        tensors["out"] = operands.out
+        self._check_device(operands)
+        chosen = self.kernel(kernel) if isinstance(kernel, str) else (kernel or self.select(problem, operands=operands))
+        plan = Plan(self, problem, chosen, stream=stream, num_threads=num_threads, alpha=alpha, beta=beta,
+                    clamp=tuple(clamp))
+        plan(tensors)
+        if out is not None:
+            self._plans[cache_key] = plan
+            while len(self._plans) > PLAN_CACHE_SIZE:
+                self._plans.pop(next(iter(self._plans)))
         return operands.out
 
     def _check_device(self, operands) -> None:

@@ -175,6 +175,12 @@ def operands(a, b, out=None, c=None, bias=None, residuals=(), activation: str = 
     return problem, Operands(va, vb, vd, vc, vbias, vres, out)
 
 
+def tensors_in_slot_order(tensors: dict) -> list:
+    """The caller's objects in td_args slot order: A, B, C, D, bias, residuals."""
+    return [tensors["a"], tensors["b"], tensors.get("c"), tensors["out"], tensors.get("bias"),
+            *tensors.get("residuals", ())]
+
+
 def operands_for(problem: GemmProblem, tensors: dict) -> Operands:
     """Operands from a dict {a, b, out, c?, bias?, residuals?}, checked against the problem."""
     unknown = set(tensors) - {"a", "b", "out", "c", "bias", "residuals"}

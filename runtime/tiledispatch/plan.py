@@ -1,0 +1,92 @@
+"""Plans: a problem bound to one kernel, for repeated launches with little host work.
+
+The first launch validates everything (Python checks, then the kernel's own td_can_run). It records
+each tensor's fingerprint (shape, strides, dtype, device); a later launch whose tensors have the same
+fingerprints only swaps the data pointers in the prepared td_args. Anything else goes through the
+full checks again, so the fast path can never run a kernel on arguments it did not accept.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Optional
+
+import numpy as np
+
+from . import abi
+from .errors import InvalidInputError, KernelRuntimeError, UnsupportedProblemError
+
+
+def fingerprint(obj: Any) -> tuple[int, tuple]:
+    """(data pointer, everything else a kernel's validity depends on: shape, strides, dtype, device and
+    the pointer's alignment) with as little work as possible."""
+    if obj is None:
+        return None, None
+    if type(obj) is np.ndarray:
+        ptr = obj.ctypes.data
+        return ptr, (obj.shape, obj.strides, obj.dtype, ptr & 15)
+    module = type(obj).__module__
+    if module.startswith("torch"):
+        ptr = obj.data_ptr()
+        return ptr, (obj.shape, obj.stride(), obj.dtype, obj.device, ptr & 15)
+    if module.startswith("cupy"):
+        ptr = obj.data.ptr
+        return ptr, (obj.shape, obj.strides, obj.dtype, obj.device.id, ptr & 15)
+    from .arrays import view
+
+    v = view(obj, "tensor")
+    return v.ptr, (v.shape, v.strides, v.dtype, v.device, v.ptr & 15)
+
+
+class Plan:
+    """Launch one kernel on one problem, again and again.
+
+    The op module gives the tensors in td_args slot order (tensors_in_slot_order), checks them
+    against the problem (operands_for) and fills td_args (make_args).
+    """
+
+    def __init__(self, registry, problem, kernel, *, stream=None, num_threads: int = 0, **scalars):
+        self.registry, self.problem, self.kernel = registry, problem, kernel
+        self.stream, self.num_threads, self.scalars = stream, num_threads, scalars
+        self._ops = __import__(f"{__package__}.ops.{problem.op}", fromlist=["make_args"])
+        self._args: Optional[abi.TdArgs] = None
+        self._prints: Optional[tuple] = None
+        self._run = kernel.library._lib.td_run
+        self._reason = ctypes.create_string_buffer(512)
+
+    def __call__(self, tensors: dict, prints: Optional[list] = None) -> None:
+        """Launch once; tensors as the op's run() takes them (GEMM: a, b, out, c, bias, residuals).
+        prints: their fingerprints in td_args slot order, when the caller has them already."""
+        if prints is None:
+            prints = [fingerprint(t) for t in self._ops.tensors_in_slot_order(tensors)]
+        if self._args is None or tuple(p[1] for p in prints) != self._prints:
+            self._prepare(tensors, prints)
+        for slot, (ptr, _) in zip(self._slot_structs, prints):
+            slot.data = ptr
+        status = self._run(self._args_ref, self._reason, 512)
+        if status != abi.OK:
+            self._raise(status)
+
+    def _prepare(self, tensors: dict, prints: list) -> None:
+        operands = self._ops.operands_for(self.problem, tensors)
+        self.registry._check_device(operands)
+        reason = self.problem.mismatch(self.kernel.key)
+        if reason:
+            raise UnsupportedProblemError(f"{self.kernel.name} cannot run {self.problem}: {reason}")
+        args = self._ops.make_args(self.problem, self.kernel.key, operands, **self.scalars)
+        args.num_threads = self.num_threads
+        args.stream = self.stream
+        status, why = self.kernel.library.can_run(args)
+        if status != abi.OK:
+            self._raise(status, why)
+        self._args, self._prints = args, tuple(p[1] for p in prints)
+        self._args_ref = ctypes.byref(args)
+        self._slot_structs = [args.tensors[i] for i in range(len(prints))]
+
+    def _raise(self, status: int, reason: Optional[str] = None) -> None:
+        reason = reason if reason is not None else self._reason.value.decode()
+        self._args = None  # the next call re-validates
+        if status == abi.UNSUPPORTED:
+            raise UnsupportedProblemError(f"{self.kernel.name}: {reason}")
+        if status == abi.INVALID_ARGUMENT:
+            raise InvalidInputError(f"{self.kernel.name}: {reason}")
+        raise KernelRuntimeError(f"{self.kernel.name}: {reason}")
