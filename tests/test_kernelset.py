@@ -102,8 +102,23 @@ def test_invalid_yaml_and_unknown_set(tmp_path):
         kernelset.load("nosuchset", "cpu", "x86v4")
 
 
-def test_every_preselected_and_example_set_expands_for_cpu():
+def test_every_set_expands_for_every_target_it_declares():
     for name in kernelset.available_sets():
-        entries = kernelset.load(name, "cpu", "x86v4")
-        assert entries, name
-        assert len({e.key for e in entries}) == len(entries)
+        for target in kernelset.targets(kernelset.find(name)):
+            backend, arch = target.split("/")
+            entries = kernelset.load(name, backend, arch)
+            assert entries, (name, target)
+            assert len({e.key for e in entries}) == len(entries)
+
+
+def test_the_foundation_sets_have_cpu_kernels():
+    for name in ("fp16_rcr_essential", "bf16_rcr_essential", "fp32_rcr_essential", "int8_rcr_essential",
+                 "fp16_all_layouts", "fp16_rcr_fused"):
+        assert kernelset.load(name, "cpu", "x86v4"), name
+
+
+def test_a_set_without_kernels_for_the_target_is_an_error(tmp_path):
+    path = write(tmp_path, BASE.replace("  - backend: cpu\n", "  - backend: cpu\n    arch: x86v4\n"))
+    assert kernelset.load(str(path), "cpu", "x86v4")
+    with pytest.raises(SpecError, match="has no kernels for backend cpu arch x86v3 .it declares: cpu/x86v4"):
+        kernelset.load(str(path), "cpu", "x86v3")

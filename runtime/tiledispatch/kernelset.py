@@ -88,9 +88,26 @@ def load(specs, backend: str, arch: str) -> list[KernelEntry]:
         raise SpecError("no kernel set given (kernels=<set|file.yaml>[,...])")
     seen: dict[KernelKey, KernelEntry] = {}
     for spec in specs:
-        for entry in expand_file(find(spec), backend, arch):
+        entries = expand_file(find(spec), backend, arch)
+        if not entries:
+            raise SpecError(f"kernel set {spec} has no kernels for backend {backend} arch {arch} "
+                            f"(it declares: {', '.join(targets(find(spec))) or 'nothing'})")
+        for entry in entries:
             seen.setdefault(entry.key, entry)
     return list(seen.values())
+
+
+def targets(path: Path) -> list[str]:
+    """The backend/arch pairs a set file declares kernels for."""
+    data = yaml.safe_load(path.read_text()) or {}
+    out = []
+    for group in data.get("groups") or []:
+        backend = group.get("backend")
+        if backend in rules.all_rules():
+            for a in _as_list(group.get("arch", list(rules.archs(backend)))):
+                if f"{backend}/{a}" not in out:
+                    out.append(f"{backend}/{a}")
+    return out
 
 
 def expand_file(path: Path, backend: str, arch: str) -> list[KernelEntry]:
