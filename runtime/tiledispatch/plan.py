@@ -37,6 +37,20 @@ def fingerprint(obj: Any) -> tuple[int, tuple]:
     return v.ptr, (v.shape, v.strides, v.dtype, v.device, v.ptr & 15)
 
 
+def current_stream(obj: Any):
+    """The current CUDA/HIP stream of the framework that owns obj (None: the default stream)."""
+    module = type(obj).__module__
+    if module.startswith("torch"):
+        import torch
+
+        return torch.cuda.current_stream(obj.device).cuda_stream or None
+    if module.startswith("cupy"):
+        import cupy
+
+        return cupy.cuda.get_current_stream().ptr or None
+    return None
+
+
 class Plan:
     """Launch one kernel on one problem, again and again.
 
@@ -62,6 +76,8 @@ class Plan:
             self._prepare(tensors, prints)
         for slot, (ptr, _) in zip(self._slot_structs, prints):
             slot.data = ptr
+        if self._follow_stream:
+            self._args.stream = current_stream(self._first)
         status = self._run(self._args_ref, self._reason, 512)
         if status != abi.OK:
             self._raise(status)
@@ -74,7 +90,15 @@ class Plan:
             raise UnsupportedProblemError(f"{self.kernel.name} cannot run {self.problem}: {reason}")
         args = self._ops.make_args(self.problem, self.kernel.key, operands, **self.scalars)
         args.num_threads = self.num_threads
-        args.stream = self.stream
+        first = next(v.obj for v in operands.all())
+        # no explicit stream: launch on the current stream of the caller's framework, looked up per call
+        self._follow_stream = self.stream is None and self.registry.device != "cpu"
+        self._first = first
+        args.stream = current_stream(first) if self._follow_stream else self.stream
+        need = self.kernel.library.workspace_bytes(args)
+        if need:
+            args.workspace = self.registry.workspace(need, first)
+            args.workspace_bytes = need
         status, why = self.kernel.library.can_run(args)
         if status != abi.OK:
             self._raise(status, why)

@@ -59,6 +59,7 @@ class Registry:
         self.device = rules.backend_rules(backend)["device"]
         self._checked_runnable = False
         self._plans: dict = {}  # gemm(): fingerprints and options -> Plan, oldest first
+        self._workspaces: dict = {}  # device -> [(buffer, bytes)], grow-only
 
     def __len__(self) -> int:
         return len(self.kernels)
@@ -166,6 +167,17 @@ class Registry:
                 self._plans.pop(next(iter(self._plans)))
         return operands.out
 
+    def workspace(self, nbytes: int, like) -> int:
+        """A device buffer of at least nbytes, allocated once per device and grown, never per call.
+        Outgrown buffers stay alive, so a Plan that holds an older pointer stays valid."""
+        device = getattr(like, "device", None)
+        buffers = self._workspaces.setdefault(str(device), [])
+        if not buffers or buffers[-1][1] < nbytes:
+            size = max(nbytes, 2 * buffers[-1][1] if buffers else 0)
+            buffers.append((_allocate_device_bytes(size, like), size))
+        obj = buffers[-1][0]
+        return obj.data_ptr() if hasattr(obj, "data_ptr") else obj.data.ptr
+
     def _check_device(self, operands) -> None:
         devices = {v.device for v in operands.all()}
         if devices != {self.device}:
@@ -176,6 +188,20 @@ class Registry:
             if not ok:
                 raise BundleError(f"bundle built for {self.backend}/{self.arch} cannot run here: {why}")
             self._checked_runnable = True
+
+
+def _allocate_device_bytes(nbytes: int, like):
+    """nbytes of device memory from the framework that owns `like` (torch or cupy)."""
+    module = type(like).__module__
+    if module.startswith("torch"):
+        import torch
+
+        return torch.empty(nbytes, dtype=torch.uint8, device=like.device)
+    if module.startswith("cupy"):
+        import cupy
+
+        return cupy.empty(nbytes, dtype=cupy.uint8)
+    raise InvalidInputError("this kernel needs a device workspace: pass torch or cupy arrays")
 
 
 def _no_kernel_message(problem, explained) -> str:
