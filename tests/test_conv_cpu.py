@@ -342,3 +342,19 @@ def test_tiling_shapes_the_generated_code(direction):
     assert "constexpr int MR = 6, NR = 16;" in src
     assert "constexpr int S = 3;" in src
     assert f"templates/cpu/conv_{direction}.cpp.j2" in src
+
+
+def test_run_takes_a_problem_and_a_dict_of_tensors(conv_registry):
+    rng = np.random.default_rng(17)
+    p, data, expect = make_case(rng, "bwd_data", 3, "g4", "s2d1", "fp32")
+    kern = conv_registry.run(p, data)
+    assert kern.key.signature.direction == "bwd_data"
+    assert validation.compare(data["x"], expect, kern.key)["passed"]
+    geo = dict(direction="bwd_data", n=p.n, g=p.g, c=p.c, k=p.k, in_size=p.in_size, filter_size=p.filter_size,
+               stride=p.stride, dilation=p.dilation, pad_lo=p.pad_lo)
+    with pytest.raises(InvalidInputError, match=r"y has shape \[1, 3, 3, 3, 4, 6\], expected \[1, 4, 3, 4, 4, 6\]"):
+        conv_registry.run(_problem(**geo, pad_hi=tuple(v + 1 for v in p.pad_hi)), data)
+    with pytest.raises(InvalidInputError, match="the tensors describe .*fp32/fp32->fp32.* but the problem is .*fp16"):
+        conv_registry.run(_problem(**geo, pad_hi=p.pad_hi, dtype_x="fp16", dtype_w="fp16", dtype_y="fp16"), data)
+    with pytest.raises(InvalidInputError, match="conv tensors are x, w and y"):
+        conv_registry.run(p, {"x": data["x"], "w": data["w"]})

@@ -322,6 +322,24 @@ def operands(direction: str, x=None, w=None, y=None, *, stride: IntOrSeq = 1, di
     return problem, Operands(v["x"], v["w"], v["y"], out)
 
 
+def operands_for(problem: ConvProblem, tensors: dict) -> Operands:
+    """Operands from a dict {x, w, y} (all three: the written one is the output), checked against the
+    problem. Arrays of rank S + 3 have the explicit group axis, of rank S + 2 the logical form."""
+    if set(tensors) != {"x", "w", "y"}:
+        raise InvalidInputError(f"conv tensors are x, w and y (y is dY for bwd_data and bwd_weight); got {sorted(tensors)}")
+    rank = problem.spatial_dims
+    ranks = {len(view(a, role).shape) for role, a in tensors.items()}
+    if ranks not in ({rank + 3}, {rank + 2}):
+        raise InvalidInputError(f"conv {rank}D tensors have rank {rank + 3} (explicit group axis) or {rank + 2} "
+                                f"([N, C, spatial...]) all three; got ranks {sorted(ranks)}")
+    found, ops = operands(problem.direction, tensors["x"], tensors["w"], tensors["y"], stride=problem.stride,
+                          dilation=problem.dilation, pad_lo=problem.pad_lo, pad_hi=problem.pad_hi,
+                          groups=problem.g if ranks == {rank + 2} else None, spatial_dims=rank)
+    if found != problem:
+        raise InvalidInputError(f"the tensors describe {found}, but the problem is {problem}")
+    return ops
+
+
 def _dense(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, acc = [], 1
     for n in reversed(shape):
