@@ -1,0 +1,116 @@
+"""Shared by bench/validate_gpu.py and bench/gemm.py: torch inputs on the GPU, a float64 reference,
+and launching one kernel of a bundle through the C ABI with a persistent workspace."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+
+from tiledispatch import abi, cuda  # noqa: E402
+from tiledispatch.arrays import ArrayView, view  # noqa: E402
+from tiledispatch.spec.key import Epilogue  # noqa: E402
+from tiledispatch.ops import gemm as gemm_op  # noqa: E402
+
+TORCH_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "int8": torch.int8,
+               "int32": torch.int32, "fp8e4m3": torch.float8_e4m3fn, "fp8e5m2": torch.float8_e5m2}
+
+
+def random_tensor(shape, dtype: str, gen: torch.Generator, layout: str = "r") -> torch.Tensor:
+    """Random values with no zeros ([-1, -0.05] U [0.05, 1] floats, +-1..8 ints), stored row-major
+    (layout r) or column-major in the last two dims (layout c)."""
+    if layout == "c":
+        return random_tensor((*shape[:-2], shape[-1], shape[-2]), dtype, gen).transpose(-1, -2)
+    if dtype in ("int8", "int32"):
+        mag = torch.randint(1, 9, shape, generator=gen, device="cuda")
+    else:
+        mag = torch.rand(shape, generator=gen, device="cuda") * 0.95 + 0.05
+    sign = torch.randint(0, 2, shape, generator=gen, device="cuda") * 2 - 1
+    return (mag * sign).to(TORCH_DTYPE[dtype])
+
+
+def poisoned(shape, dtype: str) -> torch.Tensor:
+    t = torch.empty(shape, dtype=TORCH_DTYPE[dtype], device="cuda")
+    return t.fill_(torch.iinfo(t.dtype).min if dtype in ("int8", "int32") else float("nan"))
+
+
+def activation(v: torch.Tensor, name: str, low: float, high: float) -> torch.Tensor:
+    if name == "identity":
+        return v
+    if name == "relu":
+        return torch.relu(v)
+    if name == "gelu_tanh":
+        return torch.nn.functional.gelu(v, approximate="tanh")
+    if name == "gelu_erf":
+        return torch.nn.functional.gelu(v)
+    if name == "silu":
+        return torch.nn.functional.silu(v)
+    if name == "sigmoid":
+        return torch.sigmoid(v)
+    if name == "tanh":
+        return torch.tanh(v)
+    if name == "clamp":
+        return torch.clamp(v, low, high)
+    raise ValueError(name)
+
+
+def reference(a, b, c, bias, residuals, *, act, alpha, beta, low, high, int_out: bool) -> torch.Tensor:
+    """act(alpha * a @ b + beta * c + bias + sum residuals) in float64 from the stored inputs."""
+    v = alpha * torch.matmul(a.double(), b.double())
+    if c is not None and beta != 0:
+        v = v + beta * c.double()
+    if bias is not None:
+        v = v + bias.double()
+    for r in residuals:
+        v = v + r.double()
+    v = activation(v, act, low, high)
+    if int_out:
+        v = torch.round(v.clamp(-2.0**31, 2.0**31 - 1))
+    return v
+
+
+class Launcher:
+    """Runs one kernel library on torch operands: td_args from the runtime's GEMM binding, the
+    workspace from tiledispatch.cuda's per-stream cache."""
+
+    def __init__(self, kernel):
+        self.kernel, self.lib, self.key = kernel, kernel.library, kernel.key
+
+    def args(self, problem, operands, stream: int, **scalars) -> abi.TdArgs:
+        args = gemm_op.make_args(problem, self.key, operands, **scalars)
+        args.stream = stream
+        need = self.lib.workspace_bytes(args)
+        args.workspace = cuda.workspace(need, stream) if need else None
+        args.workspace_bytes = need
+        return args
+
+    def run(self, args: abi.TdArgs) -> None:
+        status, reason = self.lib.run(args)
+        if status != abi.OK:
+            raise RuntimeError(f"{self.kernel.name}: status {status}: {reason}")
+
+
+def operands(a, b, d, c=None, bias=None, residuals=(), act="identity"):
+    """(GemmProblem, Operands) for torch tensors a [batch, m, k], b [batch, k, n], d [batch, m, n].
+
+    Built here rather than by gemm_op.operands so the output dtype is d's (fp8 inputs with a C)."""
+    va, vb, vd = (view(t, role) for t, role in ((a, "A"), (b, "B"), (d, "D")))
+    vc = view(c, "C") if c is not None else None
+    vbias = view(bias, "bias") if bias is not None else None
+    if vbias is not None:  # [n] -> [1, n], shared by every batch
+        vbias = ArrayView(vbias.ptr, (1, *vbias.shape), (0, *vbias.strides), vbias.dtype, vbias.device, vbias.obj)
+    vres = tuple(view(r, f"R{i}") for i, r in enumerate(residuals))
+    batch, m, k = va.shape
+    n = vb.shape[2]
+    layout = "".join("r" if v.strides[2] == 1 else "c" for v in (va, vb, vd))
+    problem = gemm_op.GemmProblem(m, n, k, va.dtype, vb.dtype, vd.dtype, layout, batch,
+                                  Epilogue(act, bias is not None, len(residuals)))
+    return problem, gemm_op.Operands(va, vb, vd, vc, vbias, vres, d)
+
+
+def machine() -> dict:
+    props = torch.cuda.get_device_properties(0)
+    return {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+            "cuda_torch": torch.version.cuda, "cudart": cuda.versions(), "cudart_path": cuda.library_path()}

@@ -1,0 +1,214 @@
+"""GEMM benchmark on the GPU: cuBLAS (torch.mm) vs the kernel tiledispatch selects vs the registry's best.
+
+    python bench/gemm.py --bundle fp16=DIR[,DIR...] --bundle bf16=DIR[,DIR...] [--out bench/results]
+
+Every candidate is timed the same way in the same run: `calls` back-to-back launches between two CUDA
+events on the current torch stream, inputs rotated over enough sets to overflow L2, median of
+`repeats`. Layout rcr (A row-major, B given as [N, K] row-major, D row-major). Also measures host
+overhead per call at a tiny shape: a raw C call (td_run through ctypes with prebuilt arguments), a
+tiledispatch call (Registry.gemm) and torch.mm. Writes gemm_<tag>.json and gemm_<tag>.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from _gpu_common import Launcher, machine, operands, random_tensor
+from tiledispatch import abi, cuda, load
+from tiledispatch.registry import Registry
+
+SHAPES = [(s, s, s) for s in (256, 512, 1024, 2048, 4096, 8192)] + [
+    (16, 4096, 4096), (128, 4096, 4096), (4096, 11008, 4096), (4096, 4096, 11008), (8192, 128, 8192),
+    (1024, 1024, 16384)]
+L2_BYTES = 50 * 2**20
+
+
+def merged_registry(dirs: list[str]) -> Registry:
+    regs = [load(d) for d in dirs]
+    kernels, seen = [], set()
+    for reg in regs:
+        for k in reg.kernels:
+            if k.name not in seen:
+                seen.add(k.name)
+                kernels.append(k)
+    return Registry(kernels, regs[0].backend, regs[0].arch, regs[0].manifest)
+
+
+def timed(fn, stream: int, target_ms: float = 2.0, repeats: int = 10) -> float:
+    """Median ms per call of fn(i) over `repeats` batches of back-to-back calls."""
+    probe = cuda.time_calls(fn, stream=stream, calls=2, repeats=1, warmup=2)[0]
+    calls = max(3, min(200, int(target_ms / max(probe, 1e-4))))
+    return statistics.median(cuda.time_calls(fn, stream=stream, calls=calls, repeats=repeats, warmup=2))
+
+
+class Inputs:
+    """`sets` copies of A [m, k], B as [n, k] (so B = bt.T is column-major k x n) and D [m, n]."""
+
+    def __init__(self, m, n, k, dtype, gen):
+        per_set = (m * k + n * k + m * n) * 2
+        self.sets = max(2, min(8, math.ceil(3 * L2_BYTES / per_set)))
+        self.a = [random_tensor((m, k), dtype, gen) for _ in range(self.sets)]
+        self.bt = [random_tensor((n, k), dtype, gen) for _ in range(self.sets)]
+        self.d = [torch.empty((m, n), dtype=self.a[0].dtype, device="cuda") for _ in range(self.sets)]
+
+
+def bench_shape(reg: Registry, m, n, k, dtype, gen, stream) -> dict:
+    inp = Inputs(m, n, k, dtype, gen)
+    flops = 2.0 * m * n * k
+    tflops = lambda ms: flops / (ms * 1e-3) / 1e12  # noqa: E731
+
+    def cublas(i):
+        j = i % inp.sets
+        torch.mm(inp.a[j], inp.bt[j].t(), out=inp.d[j])
+
+    row = {"m": m, "n": n, "k": k, "dtype": dtype, "input_sets": inp.sets}
+    row["cublas_ms"] = timed(cublas, stream)
+    problem, _ = operands(inp.a[0][None], inp.bt[0].t()[None], inp.d[0][None])
+    per_kernel = {}
+    for kern in reg.kernels:
+        launcher = Launcher(kern)
+        args = []
+        for j in range(inp.sets):
+            _, ops = operands(inp.a[j][None], inp.bt[j].t()[None], inp.d[j][None])
+            if problem.mismatch(kern.key) is not None:
+                break
+            a = launcher.args(problem, ops, stream)
+            status, _ = kern.library.can_run(a)
+            if status != abi.OK:
+                break
+            args.append(a)
+        if len(args) != inp.sets:
+            continue
+        per_kernel[kern.name] = timed(lambda i: launcher.run(args[i % inp.sets]), stream)
+    if not per_kernel:
+        raise RuntimeError(f"no kernel of the registry runs {m}x{n}x{k} {dtype}")
+    selected = reg.select(problem).name
+    best = min(per_kernel, key=per_kernel.get)
+    row.update(selected=selected, selected_ms=per_kernel[selected], best=best, best_ms=per_kernel[best],
+               cublas_tflops=tflops(row["cublas_ms"]), selected_tflops=tflops(per_kernel[selected]),
+               best_tflops=tflops(per_kernel[best]),
+               kernels_tflops={name: round(tflops(ms), 2) for name, ms in sorted(per_kernel.items())})
+    row["best_vs_cublas"] = row["best_tflops"] / row["cublas_tflops"]
+    row["selected_vs_best"] = row["selected_tflops"] / row["best_tflops"]
+    return row
+
+
+def host_overhead(reg: Registry, gen, stream, n_calls: int = 3000) -> dict:
+    """Host microseconds per call at 128^3 fp16 (the GPU finishes each call faster than the host
+    issues the next, so this is issue time)."""
+    m = n = k = 128
+    a, bt = random_tensor((m, k), "fp16", gen), random_tensor((n, k), "fp16", gen)
+    d = torch.empty((m, n), dtype=torch.float16, device="cuda")
+    problem, ops = operands(a[None], bt.t()[None], d[None])
+    kern = reg.select(problem)
+    launcher = Launcher(kern)
+    args = launcher.args(problem, ops, stream)
+
+    def per_call(fn) -> float:
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        samples = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(n_calls):
+                fn()
+            torch.cuda.synchronize()
+            samples.append((time.perf_counter() - t0) / n_calls * 1e6)
+        return statistics.median(samples)
+
+    out = {"shape": [m, n, k], "kernel": kern.name,
+           "raw_c_call_us": per_call(lambda: kern.library.run(args)),
+           "torch_mm_us": per_call(lambda: torch.mm(a, bt.t(), out=d))}
+    for label, kw in (("tiledispatch_gemm_named_kernel_us", {"kernel": kern.name}), ("tiledispatch_gemm_us", {})):
+        try:
+            out[label] = per_call(lambda: reg.gemm(a, bt.t(), out=d, stream=stream, **kw))
+        except Exception as e:  # report, do not hide: the registry path may not support this yet
+            out[label] = None
+            out[label.replace("_us", "_error")] = f"{type(e).__name__}: {e}"
+    if out.get("tiledispatch_gemm_named_kernel_us") is not None:
+        out["overhead_above_raw_us"] = out["tiledispatch_gemm_named_kernel_us"] - out["raw_c_call_us"]
+    return out
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dtypes = sorted({r["dtype"] for r in rows})
+    fig, axes = plt.subplots(len(dtypes), 1, figsize=(14, 4.5 * len(dtypes)), squeeze=False)
+    for ax, dt in zip(axes[:, 0], dtypes):
+        rs = [r for r in rows if r["dtype"] == dt]
+        xs = range(len(rs))
+        for off, (field, label) in zip((-0.27, 0, 0.27), (("cublas_tflops", "cuBLAS (torch.mm)"),
+                                                          ("selected_tflops", "tiledispatch selected"),
+                                                          ("best_tflops", "registry best"))):
+            ax.bar([x + off for x in xs], [r[field] for r in rs], width=0.27, label=label)
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([f"{r['m']}x{r['n']}x{r['k']}" for r in rs], rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(f"GEMM {dt} rcr on {torch.cuda.get_device_name(0)}")
+        ax.legend(fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bundle", action="append", required=True, help="DTYPE=DIR[,DIR...]")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--tag", default="h100")
+    ap.add_argument("--shapes", default="", help="subset, e.g. 4096x4096x4096,16x4096x4096")
+    opts = ap.parse_args()
+    shapes = [tuple(int(v) for v in s.split("x")) for s in opts.shapes.split(",")] if opts.shapes else SHAPES
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(7)
+    stream = torch.cuda.current_stream().cuda_stream
+    rows, overhead, manifests = [], None, {}
+    for spec in opts.bundle:
+        dtype, dirs = spec.split("=", 1)
+        reg = merged_registry(dirs.split(","))
+        manifests[dtype] = {"bundles": dirs.split(","), "kernels": len(reg.kernels),
+                            "toolchain": reg.manifest.get("toolchain")}
+        for m, n, k in shapes:
+            row = bench_shape(reg, m, n, k, dtype, gen, stream)
+            rows.append(row)
+            print(f"{dtype} {m:>5}x{n:>5}x{k:>5}  cuBLAS {row['cublas_tflops']:6.1f}  selected {row['selected_tflops']:6.1f}"
+                  f"  best {row['best_tflops']:6.1f}  best/cuBLAS {row['best_vs_cublas']:.2f}"
+                  f"  sel/best {row['selected_vs_best']:.2f}  [{row['best'][:60]}]", flush=True)
+        if dtype == "fp16" and overhead is None:
+            overhead = host_overhead(reg, gen, stream)
+            print("host overhead:", json.dumps(overhead), flush=True)
+    geo = {}
+    for dt in sorted({r["dtype"] for r in rows}):
+        rs = [r for r in rows if r["dtype"] == dt]
+        geo[dt] = {
+            "best_vs_cublas_geomean": math.exp(statistics.fmean(math.log(r["best_vs_cublas"]) for r in rs)),
+            "selected_vs_cublas_geomean": math.exp(statistics.fmean(
+                math.log(r["selected_tflops"] / r["cublas_tflops"]) for r in rs)),
+            "selected_vs_best_min": min(r["selected_vs_best"] for r in rs),
+        }
+        print(dt, json.dumps(geo[dt]))
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"machine": machine(), "bundles": manifests, "timing": "median of 10 batches of back-to-back "
+              "launches between CUDA events, inputs rotated over >= 3x L2", "rows": rows, "summary": geo,
+              "host_overhead": overhead}
+    (out / f"gemm_{opts.tag}.json").write_text(json.dumps(result, indent=1))
+    plot(rows, out / f"gemm_{opts.tag}.png")
+    print(f"wrote {out / f'gemm_{opts.tag}.json'} and .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,368 @@
+"""A small CUDA runtime binding (ctypes over libcudart) for the cutlass backend.
+
+Nothing here touches CUDA at import: libcudart is found and loaded at the first call, and CUDA
+initializes then. The library is the one the process already has (torch or cupy loaded it), else
+the one a torch / cupy / nvidia-cuda-runtime wheel ships, else the system's libcudart.so.13 / .12.
+
+What the runtime needs and no more: device facts (device_arch), device memory (malloc / free, and a
+persistent workspace per device and stream that only grows), host <-> device copies for numpy
+inputs (DeviceArray), the caller's current stream (current_stream), synchronize, and CUDA events
+for benchmarks (Timer, time_calls).
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import importlib.util
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+_SONAMES = ("libcudart.so.13", "libcudart.so.12", "libcudart.so")
+_lib: Optional[ctypes.CDLL] = None
+_lock = threading.Lock()
+
+
+class CudaError(RuntimeError):
+    """A CUDA runtime call failed; the message names the call and CUDA's reason."""
+
+
+# ---- loading -----------------------------------------------------------------------------------
+
+def _loaded_path() -> Optional[str]:
+    """libcudart already mapped into this process (by torch, cupy, ...), if any."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split()[-1] if line.strip() else ""
+                if "/libcudart.so" in path:
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def _package_dirs(name: str) -> list[Path]:
+    """Install folders of an importable package, found without importing it."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return []
+    if spec is None:
+        return []
+    return [Path(p) for p in (spec.submodule_search_locations or [])] or ([Path(spec.origin).parent] if spec.origin else [])
+
+
+def _candidates() -> list[str]:
+    paths = []
+    loaded = _loaded_path()
+    if loaded:
+        paths.append(loaded)
+    for pkg, patterns in (("nvidia", ("*/lib/libcudart.so*", "cu*/lib/libcudart.so*")), ("torch", ("lib/libcudart*.so*",)),
+                          ("cupy", (".data/lib/libcudart.so*",)), ("cupy_backends", ("../nvidia/*/lib/libcudart.so*",))):
+        for d in _package_dirs(pkg):
+            for pattern in patterns:
+                paths += sorted(glob.glob(str(d / pattern)), reverse=True)
+    paths += list(_SONAMES)  # the dynamic loader's own search (LD_LIBRARY_PATH, ld.so.cache)
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home:
+            paths += sorted(glob.glob(os.path.join(home, "lib64", "libcudart.so*")), reverse=True)
+    return paths
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    c_int, c_size, vp = ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p
+    sigs = {
+        "cudaGetErrorString": ([c_int], ctypes.c_char_p),
+        "cudaGetDeviceCount": ([ctypes.POINTER(c_int)], c_int),
+        "cudaGetDevice": ([ctypes.POINTER(c_int)], c_int),
+        "cudaSetDevice": ([c_int], c_int),
+        "cudaDeviceGetAttribute": ([ctypes.POINTER(c_int), c_int, c_int], c_int),
+        "cudaMalloc": ([ctypes.POINTER(vp), c_size], c_int),
+        "cudaFree": ([vp], c_int),
+        "cudaMemcpy": ([vp, vp, c_size, c_int], c_int),
+        "cudaMemcpyAsync": ([vp, vp, c_size, c_int, vp], c_int),
+        "cudaMemsetAsync": ([vp, c_int, c_size, vp], c_int),
+        "cudaStreamSynchronize": ([vp], c_int),
+        "cudaDeviceSynchronize": ([], c_int),
+        "cudaEventCreate": ([ctypes.POINTER(vp)], c_int),
+        "cudaEventDestroy": ([vp], c_int),
+        "cudaEventRecord": ([vp, vp], c_int),
+        "cudaEventSynchronize": ([vp], c_int),
+        "cudaEventElapsedTime": ([ctypes.POINTER(ctypes.c_float), vp, vp], c_int),
+        "cudaRuntimeGetVersion": ([ctypes.POINTER(c_int)], c_int),
+        "cudaDriverGetVersion": ([ctypes.POINTER(c_int)], c_int),
+    }
+    for name, (argtypes, restype) in sigs.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+
+
+def runtime() -> ctypes.CDLL:
+    """The loaded libcudart (loaded on the first call)."""
+    global _lib
+    if _lib is None:
+        with _lock:
+            if _lib is None:
+                errors = []
+                for path in _candidates():
+                    try:
+                        lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+                        _declare(lib)
+                    except (OSError, AttributeError) as e:
+                        errors.append(f"{path}: {e}")
+                        continue
+                    _lib = lib
+                    break
+                else:
+                    raise CudaError("libcudart not found (install torch, cupy or the CUDA runtime); tried: "
+                                    + "; ".join(errors[-4:]))
+    return _lib
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        msg = runtime().cudaGetErrorString(status)
+        raise CudaError(f"{what} failed: {msg.decode() if msg else status} (cudaError {status})")
+
+
+def library_path() -> Optional[str]:
+    """Where the loaded libcudart lives (None before the first call)."""
+    return getattr(_lib, "_name", None)
+
+
+# ---- devices ------------------------------------------------------------------------------------
+
+_ATTR_CC_MAJOR, _ATTR_CC_MINOR, _ATTR_SM_COUNT = 75, 76, 16
+
+
+def device_count() -> int:
+    n = ctypes.c_int(0)
+    status = runtime().cudaGetDeviceCount(ctypes.byref(n))
+    return n.value if status == 0 else 0
+
+
+def current_device() -> int:
+    d = ctypes.c_int(0)
+    _check(runtime().cudaGetDevice(ctypes.byref(d)), "cudaGetDevice")
+    return d.value
+
+
+def _attribute(attr: int, device: int) -> int:
+    v = ctypes.c_int(0)
+    _check(runtime().cudaDeviceGetAttribute(ctypes.byref(v), attr, device), "cudaDeviceGetAttribute")
+    return v.value
+
+
+def compute_capability(device: Optional[int] = None) -> tuple[int, int]:
+    device = current_device() if device is None else device
+    return _attribute(_ATTR_CC_MAJOR, device), _attribute(_ATTR_CC_MINOR, device)
+
+
+def multiprocessor_count(device: Optional[int] = None) -> int:
+    return _attribute(_ATTR_SM_COUNT, current_device() if device is None else device)
+
+
+def device_arch(device: Optional[int] = None) -> str:
+    """The cutlass arch name of a device: "sm90a" for compute capability 9.0, "sm80" for 8.x,
+    else "sm<major><minor>" (which no cutlass bundle targets)."""
+    major, minor = compute_capability(device)
+    if (major, minor) == (9, 0):
+        return "sm90a"
+    if major == 8:
+        return "sm80"
+    return f"sm{major}{minor}"
+
+
+def versions() -> dict:
+    """CUDA runtime and driver versions, e.g. {"runtime": "13.0", "driver": "13.0"}."""
+    out = {}
+    for name, fn in (("runtime", "cudaRuntimeGetVersion"), ("driver", "cudaDriverGetVersion")):
+        v = ctypes.c_int(0)
+        _check(getattr(runtime(), fn)(ctypes.byref(v)), fn)
+        out[name] = f"{v.value // 1000}.{v.value % 1000 // 10}"
+    return out
+
+
+# ---- memory ---------------------------------------------------------------------------------------
+
+def malloc(nbytes: int) -> int:
+    """Device memory on the current device (at least 1 byte); free it with free()."""
+    p = ctypes.c_void_p()
+    _check(runtime().cudaMalloc(ctypes.byref(p), max(1, int(nbytes))), f"cudaMalloc({nbytes})")
+    return int(p.value)
+
+
+def free(ptr: int) -> None:
+    if ptr:
+        _check(runtime().cudaFree(ctypes.c_void_p(ptr)), "cudaFree")
+
+
+_workspaces: dict[tuple[int, int], tuple[int, int]] = {}  # (device, stream) -> (ptr, bytes)
+
+
+def workspace(nbytes: int, stream: int = 0) -> int:
+    """A device buffer of at least nbytes for kernels launched on `stream` of the current device.
+
+    Allocated once and grown when a larger one is asked for, never per call: kernels on one stream
+    run in order, so they can share it; other streams get their own. Growing frees the old buffer
+    (cudaFree waits for the work using it). Returns 0 for nbytes == 0.
+    """
+    if nbytes <= 0:
+        return 0
+    slot = (current_device(), int(stream or 0))
+    with _lock:
+        ptr, have = _workspaces.get(slot, (0, 0))
+        if have < nbytes:
+            size = max(int(nbytes), 2 * have, 1 << 20)
+            new = malloc(size)
+            free(ptr)
+            ptr, have = new, size
+            _workspaces[slot] = (ptr, have)
+    return ptr
+
+
+def memcpy_htod(dst: int, src: np.ndarray) -> None:
+    """Copy a C-contiguous host array to device memory (synchronous)."""
+    src = np.ascontiguousarray(src)
+    _check(runtime().cudaMemcpy(ctypes.c_void_p(dst), ctypes.c_void_p(src.ctypes.data), src.nbytes, 1),
+           "cudaMemcpy host->device")
+
+
+def memcpy_dtoh(dst: np.ndarray, src: int) -> None:
+    """Copy device memory into a C-contiguous host array (synchronous)."""
+    if not dst.flags.c_contiguous:
+        raise ValueError("memcpy_dtoh needs a C-contiguous destination")
+    _check(runtime().cudaMemcpy(ctypes.c_void_p(dst.ctypes.data), ctypes.c_void_p(src), dst.nbytes, 2),
+           "cudaMemcpy device->host")
+
+
+def _dense_span(a: np.ndarray) -> Optional[int]:
+    """Bytes of the memory block a dense array (any axis order, no gaps) occupies, else None."""
+    if a.size == 0 or any(s < 0 for s in a.strides):
+        return None
+    span = sum((n - 1) * s for n, s in zip(a.shape, a.strides)) + a.itemsize
+    return span if span == a.nbytes else None
+
+
+class DeviceArray:
+    """A device copy of a numpy array, with the same shape and element order.
+
+    A dense array (row-major, column-major or any axis permutation, e.g. a swapaxes view) keeps its
+    strides, so layouts survive the copy; others are made row-major first. It exposes
+    __cuda_array_interface__, so it goes wherever cupy arrays do; to_host() copies it back. The
+    memory is freed with the object (or by free_now()).
+    """
+
+    def __init__(self, host: np.ndarray, copy: bool = True):
+        if _dense_span(host) is None:
+            host = np.ascontiguousarray(host)
+        self.dtype, self.shape, self.strides = host.dtype, tuple(host.shape), tuple(host.strides)
+        self.nbytes = host.nbytes
+        self.ptr = malloc(self.nbytes)
+        if copy and self.nbytes:
+            _check(runtime().cudaMemcpy(ctypes.c_void_p(self.ptr), ctypes.c_void_p(host.ctypes.data), self.nbytes, 1),
+                   "cudaMemcpy host->device")
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr, False),
+                "strides": self.strides, "version": 3}
+
+    def to_host(self, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """The contents as a new host array (or copied into `out`, which must match)."""
+        raw = np.empty(self.nbytes, dtype=np.uint8)
+        memcpy_dtoh(raw, self.ptr)
+        host = np.lib.stride_tricks.as_strided(raw.view(self.dtype), self.shape, self.strides).copy()
+        if out is not None:
+            out[...] = host
+            return out
+        return host
+
+    def free_now(self) -> None:
+        ptr, self.ptr = getattr(self, "ptr", 0), 0
+        if ptr and _lib is not None:
+            free(ptr)
+
+    def __del__(self):
+        try:
+            self.free_now()
+        except Exception:  # interpreter shutdown: the context may be gone already
+            pass
+
+
+# ---- streams and timing -------------------------------------------------------------------------
+
+def current_stream(obj: Any = None) -> int:
+    """The stream the caller's framework would use now: torch's current stream for torch tensors
+    (on the tensor's device), cupy's current stream for cupy arrays, else 0 (the default stream)."""
+    module = type(obj).__module__.split(".")[0] if obj is not None else ""
+    if module == "torch":
+        import torch
+
+        return int(torch.cuda.current_stream(obj.device).cuda_stream)
+    if module == "cupy":
+        import cupy
+
+        return int(cupy.cuda.get_current_stream().ptr)
+    return 0
+
+
+def synchronize(stream: Optional[int] = None) -> None:
+    """Wait for one stream, or (stream=None) for the whole device."""
+    if stream is None:
+        _check(runtime().cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+    else:
+        _check(runtime().cudaStreamSynchronize(ctypes.c_void_p(stream)), "cudaStreamSynchronize")
+
+
+class Timer:
+    """A pair of CUDA events: start() / stop() on a stream, elapsed_ms() after stop."""
+
+    def __init__(self):
+        self._start, self._stop = ctypes.c_void_p(), ctypes.c_void_p()
+        _check(runtime().cudaEventCreate(ctypes.byref(self._start)), "cudaEventCreate")
+        _check(runtime().cudaEventCreate(ctypes.byref(self._stop)), "cudaEventCreate")
+
+    def start(self, stream: int = 0) -> None:
+        _check(runtime().cudaEventRecord(self._start, ctypes.c_void_p(stream)), "cudaEventRecord")
+
+    def stop(self, stream: int = 0) -> None:
+        _check(runtime().cudaEventRecord(self._stop, ctypes.c_void_p(stream)), "cudaEventRecord")
+
+    def elapsed_ms(self) -> float:
+        _check(runtime().cudaEventSynchronize(self._stop), "cudaEventSynchronize")
+        ms = ctypes.c_float()
+        _check(runtime().cudaEventElapsedTime(ctypes.byref(ms), self._start, self._stop), "cudaEventElapsedTime")
+        return float(ms.value)
+
+    def __del__(self):
+        try:
+            runtime().cudaEventDestroy(self._start)
+            runtime().cudaEventDestroy(self._stop)
+        except Exception:
+            pass
+
+
+def time_calls(fn: Callable[[int], None], *, stream: int = 0, calls: int = 20, repeats: int = 15,
+               warmup: int = 3) -> list[float]:
+    """Milliseconds per call of fn(i), i = 0, 1, ... (so fn can rotate inputs): for each repeat,
+    `calls` back-to-back launches between two events on `stream`. Returns one value per repeat."""
+    timer = Timer()
+    for i in range(warmup):
+        fn(i)
+    synchronize(stream)
+    out = []
+    i = 0
+    for _ in range(repeats):
+        timer.start(stream)
+        for _ in range(calls):
+            fn(i)
+            i += 1
+        timer.stop(stream)
+        out.append(timer.elapsed_ms() / calls)
+    return out

@@ -1,0 +1,76 @@
+"""cutlass backend, compile only (no GPU): one sm90a and one sm80 kernel through nvcc, so template
+breakage fails CI. Skipped unless nvcc and the nvidia-cutlass headers are present. The two compiles
+run side by side (about 2 minutes and 4 GB each); the kernels' host code (argument checks, key
+export) is then exercised without a device."""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tiledispatch import abi, backends, codegen
+from tiledispatch.ops import gemm as gemm_op
+from tiledispatch.spec.key import Algorithm, Epilogue, KernelKey, Signature
+
+cutlass = backends.get("cutlass")
+try:
+    TOOLCHAIN = cutlass.toolchain()
+except RuntimeError as e:  # no nvcc or no headers
+    TOOLCHAIN, WHY = None, str(e)
+
+pytestmark = pytest.mark.skipif(TOOLCHAIN is None, reason=f"cutlass toolchain missing: {WHY if TOOLCHAIN is None else ''}")
+
+# Fused epilogues exercise the most template code: bias, a residual, an activation / clamp.
+SM90 = KernelKey(Signature("gemm", "bf16", "bf16", "bf16", "fp32", "rcr", Epilogue("gelu_tanh", True, 1)),
+                 Algorithm((64, 128, 64), "tma_ws_pingpong", (4, 1, 1), (64, 128, 16), "persistent", 1, (1, 2, 1), 0),
+                 "cutlass", "sm90a")
+SM80 = KernelKey(Signature("gemm", "fp16", "fp16", "fp16", "fp32", "rcr", Epilogue("clamp", True, 1)),
+                 Algorithm((128, 128, 32), "multistage", (2, 2, 1), (16, 8, 16), "data_parallel", 1, (1, 1, 1), 0),
+                 "cutlass", "sm80")
+
+
+@pytest.fixture(scope="module")
+def libraries(tmp_path_factory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("cutlass_compile")
+    procs = {}
+    for key in (SM90, SM80):
+        src = out / codegen.source_name(key)
+        src.write_text(codegen.render(key))
+        lib = out / f"{key.name}.so"
+        cmd = cutlass.compile_command(key, TOOLCHAIN, str(src), str(lib), [str(abi.INCLUDE_DIR)])
+        procs[key.arch] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), lib)
+    libs = {}
+    for arch, (proc, lib) in procs.items():
+        log, _ = proc.communicate(timeout=900)
+        assert proc.returncode == 0, f"nvcc failed for {arch}:\n{log[-8000:]}"
+        assert "serialized" not in log, f"ptxas serialized wgmma for {arch} (-DNDEBUG missing?):\n{log}"
+        libs[arch] = lib
+    return libs
+
+
+@pytest.mark.parametrize("key", [SM90, SM80], ids=["sm90a", "sm80"])
+def test_compiles_and_reports_its_key(libraries, key):
+    lib = abi.KernelLibrary(libraries[key.arch])  # loading touches no GPU
+    assert lib.abi_version() == abi.ABI_VERSION
+    assert KernelKey.from_json(lib.key_json()) == key
+
+
+@pytest.mark.parametrize("key", [SM90, SM80], ids=["sm90a", "sm80"])
+def test_host_checks_without_a_device(libraries, key):
+    lib = abi.KernelLibrary(libraries[key.arch])
+    dt = key.signature.dtype_a
+    ok = gemm_op.GemmProblem(1000, 1000, 1000, dt, dt, dt, "rcr", 1, key.signature.epilogue)
+    status, reason = lib.can_run(gemm_op.make_args(ok, key))
+    assert status == abi.OK, reason
+    odd_k = gemm_op.GemmProblem(1000, 1000, 1001, dt, dt, dt, "rcr", 1, key.signature.epilogue)
+    status, reason = lib.can_run(gemm_op.make_args(odd_k, key))
+    assert status == abi.UNSUPPORTED and "multiple of 8" in reason, reason
+    args = gemm_op.make_args(ok, key)
+    args.num_tensors = 3
+    status, reason = lib.can_run(args)
+    assert status == abi.INVALID_ARGUMENT and "tensors" in reason
+    args = gemm_op.make_args(ok, key, clamp=(1.0, -1.0))
+    status, reason = lib.can_run(args)
+    assert (status, "clamp" in reason) == ((abi.INVALID_ARGUMENT, True) if key.signature.epilogue.activation == "clamp"
+                                           else (abi.OK, False))
