@@ -53,6 +53,9 @@ _CONV_KERNEL = {"fwd": "GroupedConvolutionForwardKernel", "bwd_data": "GroupedCo
 _CONV_HOSTARGS = {"fwd": "GroupedConvFwdHostArgs<>", "bwd_data": "GroupedConvBwdDataHostArgs",
                   "bwd_weight": "GroupedConvBwdWeightHostArgs"}
 _CONV_GEMM_TRAITS = {"fwd": "Fwd", "bwd_data": "BwdData", "bwd_weight": "BwdWeight"}
+# per direction: the channel count (C or K, per group) each of A / B / C's vector accesses runs along,
+# as CK's IsSupportedArgument checks them
+_CONV_VECTOR_DIM = {"fwd": ("C", "C", "K"), "bwd_data": ("K", "C", "C"), "bwd_weight": ("K", "C", "C")}
 
 
 def _extra(key: KernelKey, name: str):
@@ -99,6 +102,7 @@ def context(key: KernelKey) -> dict:
             "conv_hostargs": _CONV_HOSTARGS[sig.direction],
             "conv_gemm_traits": _CONV_GEMM_TRAITS[sig.direction],
             "vector": vectors,
+            "vector_dim": dict(zip(("a", "b", "c"), _CONV_VECTOR_DIM[sig.direction])),
         })
     return ctx
 
