@@ -1,10 +1,12 @@
 """cpu grouped-convolution kernels against the float64 reference.
 
 One bundle (built once per session with scons) holds the kernels of conv_fp16_all_essential plus a
-test set of small-tile kernels for fp32, fp16 and bf16 in every direction and rank, so that tiny
+test set of small-tile kernels for fp32, fp16 and bf16 in every direction and rank and both pipelines
+(packed: implicit GEMM per group; direct: narrow groups, channels of all groups as lanes), so that tiny
 problems still span several blocks, partial micro-tiles and several reduction chunks. Every
 direction x rank x dtype x {dense, C/G = 4, 16, 64, depthwise} x {stride 1/2 x dilation 1/2, all
-with asymmetric padding} runs on random data with the output poisoned (NaN) first.
+with asymmetric padding, plus mixed per-dim geometry} runs on random data with the output poisoned
+(NaN) first; the direct kernels run the narrow kinds (C/G and K/G <= 8).
 """
 import itertools
 import zlib
@@ -23,7 +25,8 @@ ARCH = cpu.detect_arch()
 DIRECTIONS = ("fwd", "bwd_data", "bwd_weight")
 DTYPES = ("fp32", "fp16", "bf16")
 ESSENTIAL = "conv_fp16_all_essential"
-TEST_TILE = {"tile": [16, 16, 24], "mma": [4, 16, 1]}  # small blocks, legal on every cpu arch
+TEST_TILE = {"packed": [16, 16, 24], "direct": [8, 32, 8]}  # small blocks, legal on every cpu arch
+TEST_MMA = [4, 16, 1]
 TEST_SET = f"""\
 schema: 1
 name: conv_test
@@ -35,13 +38,17 @@ groups:
     spatial_dims: [1, 2, 3]
     dtype: [fp32, fp16, bf16]
     layout: nhwgc
-    pipeline: packed
-    tile: {TEST_TILE['tile']}
-    mma: {TEST_TILE['mma']}
+    mma: {TEST_MMA}
+    configs:
+      - {{pipeline: packed, tile: {TEST_TILE['packed']}}}
+      - {{pipeline: direct, tile: {TEST_TILE['direct']}}}
 """
 
 # (G, C/G, K/G)
-KINDS = {"dense": (1, 12, 20), "g4": (4, 4, 6), "g16": (3, 16, 8), "g64": (2, 64, 20), "depthwise": (10, 1, 1)}
+KINDS = {"dense": (1, 12, 20), "g4": (4, 4, 6), "g16": (3, 16, 8), "g64": (2, 64, 20), "depthwise": (10, 1, 1),
+         "multiplier": (12, 1, 3), "dense_narrow": (1, 3, 8)}
+PACKED_KINDS = ("dense", "g4", "g16", "g64", "depthwise")
+DIRECT_KINDS = ("g4", "depthwise", "multiplier", "dense_narrow")  # C/G and K/G <= 8
 # (stride, dilation, pad_lo, pad_hi), per dim (cut to the rank); every geometry pads asymmetrically
 GEOMETRIES = {
     "s1d1": ((1, 1, 1), (1, 1, 1), (1, 0, 2), (0, 2, 1)),
@@ -93,26 +100,27 @@ def run(registry, direction, data, p, kernel=None, **kw):
     return conv.bwd_weight(registry, data["x"], data["y"], data["w"], kernel=kernel, **geo, **kw)
 
 
-def test_kernel_for(registry, direction, rank, dtype):
-    """The small-tile test kernel of a signature."""
+def test_kernel_for(registry, direction, rank, dtype, pipeline="packed"):
+    """The small-tile test kernel of a signature and pipeline."""
     for k in registry.kernels:
-        sig = k.key.signature
-        if (sig.op, sig.direction, sig.spatial_dims, sig.dtype_a) == ("conv", direction, rank, dtype) and \
-                list(k.key.algorithm.tile) == TEST_TILE["tile"]:
+        sig, alg = k.key.signature, k.key.algorithm
+        if (sig.op, sig.direction, sig.spatial_dims, sig.dtype_a, alg.pipeline) == (
+                "conv", direction, rank, dtype, pipeline) and list(alg.tile) == TEST_TILE[pipeline]:
             return k
-    raise AssertionError(f"no test kernel for {direction} {rank}D {dtype}")
+    raise AssertionError(f"no {pipeline} test kernel for {direction} {rank}D {dtype}")
 
 
 test_kernel_for.__test__ = False
 
 
-MATRIX = list(itertools.product(DIRECTIONS, (1, 2, 3), DTYPES, KINDS))
+MATRIX = [(d, r, t, "packed", k) for d, r, t, k in itertools.product(DIRECTIONS, (1, 2, 3), DTYPES, PACKED_KINDS)]
+MATRIX += [(d, r, t, "direct", k) for d, r, t, k in itertools.product(DIRECTIONS, (1, 2, 3), DTYPES, DIRECT_KINDS)]
 
 
-@pytest.mark.parametrize("direction,rank,dtype,kind", MATRIX)
-def test_matches_reference(conv_registry, direction, rank, dtype, kind):
-    kern = test_kernel_for(conv_registry, direction, rank, dtype)
-    rng = np.random.default_rng(zlib.crc32(f"{direction}{rank}{dtype}{kind}".encode()))
+@pytest.mark.parametrize("direction,rank,dtype,pipeline,kind", MATRIX)
+def test_matches_reference(conv_registry, direction, rank, dtype, pipeline, kind):
+    kern = test_kernel_for(conv_registry, direction, rank, dtype, pipeline)
+    rng = np.random.default_rng(zlib.crc32(f"{direction}{rank}{dtype}{pipeline}{kind}".encode()))
     failures = []
     for geometry in GEOMETRIES:
         p, data, expect = make_case(rng, direction, rank, kind, geometry, dtype)
@@ -124,10 +132,10 @@ def test_matches_reference(conv_registry, direction, rank, dtype, kind):
 
 
 @pytest.mark.parametrize("direction,rank", list(itertools.product(DIRECTIONS, (1, 2, 3))))
-@pytest.mark.parametrize("dtype", ("fp32", "bf16"))
-def test_alpha_beta(conv_registry, direction, rank, dtype):
+@pytest.mark.parametrize("dtype,pipeline", (("fp32", "packed"), ("bf16", "packed"), ("fp16", "direct")))
+def test_alpha_beta(conv_registry, direction, rank, dtype, pipeline):
     """out = alpha * conv + beta * out, the old contents read in the output's dtype."""
-    kern = test_kernel_for(conv_registry, direction, rank, dtype)
+    kern = test_kernel_for(conv_registry, direction, rank, dtype, pipeline)
     rng = np.random.default_rng(7)
     p, data, expect = make_case(rng, direction, rank, "g4", "s2d2", dtype)
     written = conv.WRITES[direction]
@@ -142,12 +150,15 @@ def test_essential_kernels(conv_registry, direction):
     """Every kernel of conv_fp16_all_essential, on problems that span several of its (large) blocks."""
     kernels = [k for k in conv_registry.kernels if k.origin.startswith(f"preselected/{ESSENTIAL}")
                and k.key.signature.direction == direction]
-    assert len(kernels) == 6
+    assert len(kernels) == 9
     rng = np.random.default_rng(11)
     failures = []
     for kern in kernels:
         rank = kern.key.signature.spatial_dims
-        for kind, geometry in (("g64", "s1d1"), ("depthwise", "s2d2"), ("dense", "mixed")):
+        kinds = (("g64", "s1d1"), ("depthwise", "s2d2"), ("dense", "mixed"))
+        if kern.key.algorithm.pipeline == "direct":
+            kinds = (("g4", "s1d1"), ("depthwise", "s2d2"), ("dense_narrow", "mixed"))
+        for kind, geometry in kinds:
             p, data, expect = make_case(rng, direction, rank, kind, geometry, "fp16", n_scale=4)
             out = run(conv_registry, direction, data, p, kernel=kern)
             result = validation.compare(out, expect, kern.key)
@@ -210,14 +221,25 @@ def test_logical_channels_last_form(conv_registry, direction, rank):
     assert validation.compare(explicit, expect, kern.key)["passed"]
 
 
-def test_bwd_weight_is_independent_of_the_thread_count(conv_registry):
-    """The split reduction adds its slices in a fixed order: 1 and 2 threads give the same bits."""
-    kern = test_kernel_for(conv_registry, "bwd_weight", 2, "fp32")
+@pytest.mark.parametrize("pipeline,kind", (("packed", "dense"), ("direct", "g4")))
+def test_bwd_weight_is_independent_of_the_thread_count(conv_registry, pipeline, kind):
+    """The split reduction adds its slices in a fixed order: 1 and 3 threads give the same bits."""
+    kern = test_kernel_for(conv_registry, "bwd_weight", 2, "fp32", pipeline)
     rng = np.random.default_rng(13)
-    p, data, _ = make_case(rng, "bwd_weight", 2, "dense", "s1d1", "fp32", n_scale=8)
+    p, data, _ = make_case(rng, "bwd_weight", 2, kind, "s1d1", "fp32", n_scale=8)
     one = run(conv_registry, "bwd_weight", data, p, kernel=kern, num_threads=1).copy()
-    two = run(conv_registry, "bwd_weight", data, p, kernel=kern, num_threads=2)
-    assert np.array_equal(one, two)
+    three = run(conv_registry, "bwd_weight", data, p, kernel=kern, num_threads=3)
+    assert np.array_equal(one, three)
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_direct_kernels_decline_wide_groups(conv_registry, direction):
+    """A direct kernel says why it does not take C/G = 64, K/G = 20 (a packed kernel does)."""
+    kern = test_kernel_for(conv_registry, direction, 2, "fp32", "direct")
+    p, _, _ = make_case(np.random.default_rng(1), direction, 2, "g64", "s1d1", "fp32")
+    status, reason = kern.library.can_run(conv.make_args(p, kern.key))
+    expect = "K/G = 20" if direction == "bwd_data" else "C/G = 64"
+    assert status == 1 and "direct kernels serve narrow groups" in reason and expect in reason, reason
 
 
 # -- errors ------------------------------------------------------------------------------------------

@@ -20,7 +20,9 @@ _CTYPE = {"fp32": "float", "fp16": "uint16_t", "bf16": "uint16_t", "int8": "int8
 
 def templates(key: KernelKey) -> list[str]:
     sig = key.signature
-    if sig.op == "conv":  # one template per direction; identity epilogue only (rule cpu.conv_epilogue)
+    if sig.op == "conv":  # one template per direction and pipeline; identity epilogue only (cpu.conv_epilogue)
+        if key.algorithm.pipeline == "direct":
+            return [f"conv_{sig.direction}_direct.cpp.j2", "_common.j2", "_conv_common.j2", "_conv_direct.j2"]
         return [f"conv_{sig.direction}.cpp.j2", "_common.j2", "_conv_common.j2"]
     return [f"{sig.op}.cpp.j2", "_common.j2", "_epilogue.j2", f"activation/{sig.epilogue.activation}.j2"]
 

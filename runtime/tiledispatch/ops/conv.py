@@ -127,9 +127,16 @@ class ConvProblem:
     def flops(self) -> int:
         return 2 * self.n * prod(self.out_size) * self.k * (self.c // self.g) * prod(self.filter_size)
 
-    def gemm_shape(self) -> tuple[int, int, int, int]:
-        """(m, n, k, batch) of the implicit GEMM per group that the direction performs."""
+    def gemm_shape(self, key: Optional[KernelKey] = None) -> tuple[int, int, int, int]:
+        """(m, n, k, batch) of the GEMM the direction performs: one per group (batch G), or, for a key whose
+        pipeline runs the channels of all groups as vector lanes ("direct"), one GEMM with G x channels columns."""
         cg, kg, taps = self.c // self.g, self.k // self.g, prod(self.filter_size)
+        if key is not None and key.algorithm.pipeline == "direct":
+            if self.direction == "fwd":
+                return self.n * prod(self.out_size), self.k, taps * cg, 1
+            if self.direction == "bwd_data":
+                return self.n * prod(self.in_size), self.c, taps * kg, 1
+            return taps * cg, self.k, self.n * prod(self.out_size), 1
         if self.direction == "fwd":
             return self.n * prod(self.out_size), kg, taps * cg, self.g
         if self.direction == "bwd_data":
