@@ -1,0 +1,134 @@
+"""cutlass kernels on an NVIDIA GPU, end to end through the runtime (td.load -> Registry.gemm).
+
+Marked gpu; skipped without torch + CUDA. The bundle comes from $TD_CUTLASS_BUNDLE (a built cutlass
+bundle for this GPU's arch), else one small kernel set is built here with scons (a few minutes).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU", allow_module_level=True)
+
+import tiledispatch as td  # noqa: E402
+from tiledispatch import backends, cuda  # noqa: E402
+
+from conftest import REPO, scons  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+SMALL_SET = """schema: 1
+name: cutlass_gpu_test
+description: two fp16 rcr kernels for the GPU tests
+groups:
+  - backend: cutlass
+    arch: sm90a
+    op: gemm
+    dtype: fp16
+    layout: rcr
+    configs:
+      - {tile: [128, 128, 64], warps: [8, 1, 1], mma: [64, 128, 16], pipeline: tma_ws_cooperative, scheduler: stream_k}
+      - {tile: [64, 128, 64], warps: [4, 1, 1], mma: [64, 128, 16], pipeline: tma_ws_pingpong, scheduler: persistent,
+         epilogue: {activation: relu, bias: true}}
+  - backend: cutlass
+    arch: sm80
+    op: gemm
+    dtype: fp16
+    layout: rcr
+    pipeline: multistage
+    scheduler: data_parallel
+    tile: [128, 128, 32]
+    warps: [2, 2, 1]
+    mma: [16, 8, 16]
+"""
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    path = os.environ.get("TD_CUTLASS_BUNDLE")
+    if not path:
+        try:
+            backends.get("cutlass").toolchain()
+        except RuntimeError as e:
+            pytest.skip(f"no prebuilt bundle ($TD_CUTLASS_BUNDLE) and no toolchain: {e}")
+        build = tmp_path_factory.mktemp("cutlass_gpu")
+        spec = build / "set.yaml"
+        spec.write_text(SMALL_SET)
+        arch = backends.get("cutlass").detect_arch()
+        scons(REPO, f"kernels={spec}", "backend=cutlass", f"arch={arch}", f"build_dir={build}",
+              f"cache_dir={build / 'cache'}", "bundle=b")
+        path = str(build / "b")
+    return td.load(Path(path))
+
+
+def rcr(m, n, k, dtype=torch.float16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    a = (torch.rand((m, k), generator=g, device="cuda") * 2 - 1).to(dtype)
+    bt = (torch.rand((n, k), generator=g, device="cuda") * 2 - 1).to(dtype)
+    return a, bt.t()
+
+
+def relerr(out, ref):
+    return float(torch.linalg.norm(out.double() - ref) / torch.linalg.norm(ref))
+
+
+def test_device_arch_matches_bundle(registry):
+    assert cuda.device_arch() in ("sm90a", "sm80")
+    assert backends.get("cutlass").runnable(registry.arch)[0]
+
+
+def test_gemm_torch_in_place_on_current_stream(registry):
+    a, b = rcr(1000, 1008, 1024)
+    out = torch.full((1000, 1008), float("nan"), dtype=torch.float16, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        result = registry.gemm(a, b, out=out)
+    stream.synchronize()
+    assert result is out
+    assert relerr(out, a.double() @ b.double()) < 2e-3
+
+
+def test_gemm_alpha_beta(registry):
+    a, b = rcr(272, 208, 336, seed=1)
+    c = torch.rand((272, 208), device="cuda").half()
+    out = torch.full_like(c, float("nan"))
+    registry.gemm(a, b, out=out, c=c, alpha=0.5, beta=-2.0)
+    torch.cuda.synchronize()
+    assert relerr(out, 0.5 * (a.double() @ b.double()) - 2.0 * c.double()) < 2e-3
+
+
+def test_misaligned_problem_is_unsupported(registry):
+    a, b = rcr(64, 64, 72 + 1)  # K rows of 146 bytes: no 16-byte TMA / cp.async rows
+    with pytest.raises(td.UnsupportedProblemError, match="multiple of 8"):
+        registry.gemm(a, b)
+
+
+def test_numpy_inputs_are_copied(registry):
+    np = pytest.importorskip("numpy")
+    a = np.random.default_rng(0).uniform(-1, 1, (128, 256)).astype(np.float16)
+    b = np.asfortranarray(np.random.default_rng(1).uniform(-1, 1, (256, 192)).astype(np.float16))
+    try:
+        out = registry.gemm(a, b)
+    except td.InvalidInputError as e:  # the runtime may refuse host arrays for a GPU bundle
+        pytest.skip(f"runtime does not copy numpy arrays to the device: {e}")
+    ref = a.astype(np.float64) @ b.astype(np.float64)
+    assert np.linalg.norm(np.asarray(out, dtype=np.float64) - ref) / np.linalg.norm(ref) < 2e-3
+
+
+def test_cuda_module_memory_round_trip():
+    import numpy as np
+
+    host = np.swapaxes(np.arange(24, dtype=np.float32).reshape(2, 3, 4), 1, 2)  # dense, not C-ordered
+    dev = cuda.DeviceArray(host)
+    assert dev.__cuda_array_interface__["strides"] == host.strides
+    assert (dev.to_host() == host).all()
+    ptr = cuda.workspace(1000)
+    assert ptr and cuda.workspace(10) == ptr  # grown only, reused
+    timer = cuda.Timer()
+    timer.start()
+    timer.stop()
+    assert timer.elapsed_ms() >= 0

@@ -1,0 +1,146 @@
+"""cutlass backend without nvcc or a GPU: legality rules, the symbol map, rendering of every preselected
+cutlass kernel, compile flags and toolchain identity."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tiledispatch import backends, codegen, kernelset
+from tiledispatch.spec import rules
+from tiledispatch.spec.key import Algorithm, Epilogue, KernelKey, Signature, parse_kernel_name
+
+cutlass = backends.get("cutlass")
+
+
+def sm90(dtype="fp16", out=None, layout="rcr", tile=(128, 256, 64), pipeline="tma_ws_cooperative",
+         scheduler="persistent", cluster=(1, 1, 1), split_k=1, stages=0, epi=Epilogue(), extras=(), warps=None,
+         mma=None):
+    size = {"fp16": 2, "bf16": 2, "fp32": 4, "int8": 1, "fp8e4m3": 1, "fp8e5m2": 1}[dtype]
+    out = out or {"int8": "int32"}.get(dtype, dtype)
+    acc = "int32" if dtype == "int8" else "fp32"
+    warps = warps or ((8, 1, 1) if pipeline == "tma_ws_cooperative" else (4, 1, 1))
+    mma = mma or (64, tile[1], 32 // size)
+    return KernelKey(Signature("gemm", dtype, dtype, out, acc, layout, epi),
+                     Algorithm(tile, pipeline, warps, mma, scheduler, split_k, cluster, stages, extras), "cutlass", "sm90a")
+
+
+def sm80(dtype="fp16", layout="rcr", tile=(128, 128, 32), warps=(2, 2, 1), stages=0, epi=Epilogue(), mma=None):
+    out = {"int8": "int32"}.get(dtype, dtype)
+    acc = "int32" if dtype == "int8" else "fp32"
+    mma = mma or {"fp32": (16, 8, 8), "int8": (16, 8, 32)}.get(dtype, (16, 8, 16))
+    return KernelKey(Signature("gemm", dtype, dtype, out, acc, layout, epi),
+                     Algorithm(tile, "multistage", warps, mma, "data_parallel", 1, (1, 1, 1), stages), "cutlass", "sm80")
+
+
+def broken(key) -> set[str]:
+    return {v.rule for v in rules.check(key)}
+
+
+LEGAL = [
+    sm90(), sm90("bf16", layout="rrr", tile=(64, 128, 64), pipeline="tma_ws_pingpong", cluster=(1, 2, 1)),
+    sm90("fp32", tile=(128, 128, 32), scheduler="stream_k", split_k=2),
+    sm90("int8", tile=(128, 256, 128), cluster=(2, 1, 1), epi=Epilogue("silu", True)),
+    sm90("fp8e4m3", out="bf16", tile=(128, 256, 128), extras=(("cutlass.fp8_fast_accum", True),)),
+    sm90(layout="ccr", pipeline="tma_ws_pingpong", tile=(128, 128, 64), stages=4, epi=Epilogue("clamp")),
+    sm80(), sm80("bf16", layout="crr", tile=(128, 256, 32), warps=(2, 4, 1), epi=Epilogue("gelu_erf", True, 2)),
+    sm80("fp32", layout="ccr", tile=(128, 128, 16)), sm80("int8", tile=(128, 128, 64)),
+]
+
+
+@pytest.mark.parametrize("key", LEGAL, ids=lambda k: k.name[:70])
+def test_legal_keys_pass_and_round_trip(key):
+    assert rules.check(key) == []
+    assert parse_kernel_name(key.name) == key
+
+
+@pytest.mark.parametrize("key, rule", [
+    (sm90(pipeline="tma_ws_pingpong", scheduler="stream_k", tile=(64, 128, 64)), "cutlass.stream_k_cooperative"),
+    (sm90(split_k=2), "cutlass.split_k"),
+    (sm90(tile=(64, 128, 64)), "cutlass.sm90_tile_m"),
+    (sm90(warps=(2, 1, 1)), "cutlass.sm90_warps"),
+    (sm90(mma=(64, 128, 16)), "cutlass.sm90_mma"),
+    (sm90(cluster=(4, 2, 1)), "cutlass.sm90_cluster"),
+    (sm90(tile=(256, 256, 64), stages=4), "cutlass.sm90_smem"),
+    (sm90("int8", layout="rrr", tile=(128, 256, 128)), "cutlass.k_major_only"),
+    (sm90(tile=(128, 256, 48)), "cutlass.tile_k_bytes"),
+    (sm90(extras=(("cutlass.fp8_fast_accum", True),)), "cutlass.fp8_fast_accum"),
+    (sm80(mma=(16, 8, 8)), "cutlass.sm80_mma"),
+    (sm80(warps=(3, 1, 1), tile=(96, 128, 32)), "cutlass.sm80_warps"),
+    (sm80(tile=(256, 256, 64), stages=5), "cutlass.sm80_smem"),
+    (sm80(stages=2), "cutlass.sm80_stages"),
+    (sm80("int8", layout="crr", tile=(128, 128, 64)), "cutlass.k_major_only"),
+])
+def test_illegal_keys_name_their_rule(key, rule):
+    assert rule in broken(key)
+
+
+def test_fp8_needs_sm90a():
+    key = sm80().replace(signature=Signature("gemm", "fp8e4m3", "fp8e4m3", "fp16", "fp32", "rcr"))
+    assert "cutlass.fp8_arch" in broken(key)
+
+
+def test_symbol_map():
+    ctx = cutlass.context(sm90("fp8e4m3", out="bf16", tile=(128, 256, 128), extras=(("cutlass.fp8_fast_accum", True),)))
+    assert ctx["ctype"]["a"] == "cutlass::float_e4m3_t" and ctx["ctype"]["c"] == "cutlass::bfloat16_t"
+    assert ctx["kernel_schedule"] == "cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8FastAccum"
+    assert ctx["align"] == {"a": 16, "b": 16, "c": 8}
+    ctx = cutlass.context(sm90("int8", tile=(128, 256, 128)))
+    assert ctx["compute"] == "double" and ctx["int_out"]  # exact int32 results
+    ctx = cutlass.context(sm80("fp32", tile=(128, 128, 16)))
+    assert ctx["ctype"]["a"] == "cutlass::tfloat32_t" and ctx["warp_tile"] == [64, 64, 16] and ctx["stages"] == 4
+    assert cutlass.context(sm80(tile=(128, 256, 64), warps=(2, 4, 1)))["stages"] == 3
+
+
+def preselected_cutlass_keys() -> list[KernelKey]:
+    keys = {}
+    for name in kernelset.available_sets():
+        for arch in rules.archs("cutlass"):
+            if f"cutlass/{arch}" not in kernelset.targets(kernelset.find(name)):
+                continue
+            for entry in kernelset.load([name], "cutlass", arch):
+                keys[entry.key.name] = entry.key
+    return list(keys.values())
+
+
+def test_every_preselected_cutlass_kernel_renders():
+    keys = preselected_cutlass_keys()
+    assert len(keys) >= 40
+    for key in keys:
+        text = codegen.render(key)
+        assert key.to_json() in text
+        assert "{{" not in text and "{%" not in text
+        assert ("CollectiveBuilder" in text) == (key.arch == "sm90a")
+
+
+def test_preselected_sets_have_both_archs():
+    for name in ("fp16_rcr_essential", "bf16_rcr_essential", "fp32_rcr_essential", "int8_rcr_essential",
+                 "fp16_all_layouts", "fp16_rcr_fused"):
+        for arch in ("sm90a", "sm80"):
+            assert kernelset.load([name], "cutlass", arch), f"{name} has no cutlass {arch} kernels"
+    assert len(kernelset.load(["fp16_rcr_full"], "cutlass", "sm90a")) >= 40
+
+
+def test_compile_flags():
+    tc = backends.Toolchain(compiler="nvcc", identity="x")
+    flags = cutlass.compile_flags(sm90(), tc)
+    assert {"-O3", "-DNDEBUG", "-std=c++17", "--expt-relaxed-constexpr", "-shared"} <= set(flags)
+    assert "-gencode=arch=compute_90a,code=sm_90a" in flags
+    assert any(f.startswith("-gencode=arch=compute_80,code=") for f in cutlass.compile_flags(sm80(), tc))
+    cmd = cutlass.compile_command(sm90(), backends.Toolchain("nvcc", "x", ("/cutlass/include",)), "k.cu", "k.so",
+                                  ["/abi"])
+    assert cmd[0] == "nvcc" and "-I/abi" in cmd and cmd[cmd.index("-isystem") + 1] == "/cutlass/include"
+
+
+def test_toolchain_identity_names_nvcc_and_cutlass():
+    try:
+        tc = cutlass.toolchain()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    assert re.search(r"nvcc release \d+\.\d+", tc.identity) and re.search(r"nvidia-cutlass \d+\.", tc.identity)
+
+
+def test_arch_detection_mapping():
+    assert cutlass._arch_of("9.0") == "sm90a"
+    assert cutlass._arch_of("8.6") == "sm80" and cutlass._arch_of("8.0") == "sm80"
+    assert cutlass._arch_of("7.5") is None and cutlass._arch_of("10.0") is None
