@@ -380,3 +380,26 @@ def test_run_takes_a_problem_and_a_dict_of_tensors(conv_registry):
         conv_registry.run(_problem(**geo, pad_hi=p.pad_hi, dtype_x="fp16", dtype_w="fp16", dtype_y="fp16"), data)
     with pytest.raises(InvalidInputError, match="conv tensors are x, w and y"):
         conv_registry.run(p, {"x": data["x"], "w": data["w"]})
+
+
+@pytest.mark.skipif(ARCH == "generic", reason="the bundle's kernels already use the generic conversions")
+@pytest.mark.parametrize("direction,pipeline", (("fwd", "packed"), ("bwd_data", "direct")))
+def test_generic_arch_fp16_conversions(tmp_path, direction, pipeline):
+    """The bundle is built for this machine's arch (fp16 through F16C on x86v3/x86v4); a generic-arch kernel
+    converts fp16 in software: check that path against the reference too."""
+    import subprocess
+
+    from tiledispatch import abi
+    from tiledispatch.codegen.render import render
+    from tiledispatch.registry import Kernel, Registry
+    from tiledispatch.spec.key import Algorithm, KernelKey, Signature
+
+    key = KernelKey(Signature("conv", "fp16", "fp16", "fp16", "fp32", "nhwgc", direction=direction, spatial_dims=2),
+                    Algorithm(tuple(TEST_TILE[pipeline]), pipeline, mma=(4, 4, 1)), "cpu", "generic")
+    src, lib = tmp_path / "k.cpp", tmp_path / f"{key.name}.so"
+    src.write_text(render(key))
+    subprocess.run(cpu.compile_command(key, cpu.toolchain(), str(src), str(lib), [str(abi.INCLUDE_DIR)]), check=True)
+    registry = Registry([Kernel(key, lib)], "cpu", "generic")
+    p, data, expect = make_case(np.random.default_rng(19), direction, 2, "depthwise", "s2d2", "fp16")
+    out = run(registry, direction, data, p)
+    assert validation.compare(out, expect, key)["passed"]
