@@ -271,6 +271,11 @@ def test_problem_sizes_and_signature_match():
     assert p.shapes() == {"x": (1, 5, 5, 2, 4), "w": (2, 3, 3, 3, 4), "y": (1, 2, 5, 2, 3)}
     assert p.flops() == 2 * 1 * 10 * 6 * 4 * 9
     assert p.gemm_shape() == (10, 3, 36, 2)
+    from tiledispatch.spec.key import Algorithm, KernelKey, Signature
+
+    direct = KernelKey(Signature("conv", "fp32", "fp32", "fp32", "fp32", "nhwgc", direction="fwd", spatial_dims=2),
+                       Algorithm((64, 128, 64), "direct", mma=(4, 32, 1)), "cpu", "x86v4")
+    assert p.gemm_shape(direct) == (10, 6, 36, 1)  # all groups' channels as one GEMM's columns
 
 
 def test_entry_points_reject_bad_arrays(conv_registry):
