@@ -43,14 +43,14 @@ class Result:
 
 
 def preselected_keys(sets=None, archs=None) -> dict[str, dict[str, list[KernelKey]]]:
-    """set name -> arch -> its ck_tile keys (sets without ck_tile groups are left out)."""
+    """set name -> arch -> its ck_tile keys; sets and archs without ck_tile kernels are left out.
+    Default: every set in preselected/."""
+    names = sets or sorted(p.stem for p in (kernelset.REPO_ROOT / "preselected").glob("*.yaml"))
     out: dict[str, dict[str, list[KernelKey]]] = {}
-    for name in sets or sorted(kernelset.available_sets()):
+    for name in names:
         path = kernelset.find(name)
-        if path.parent.name != "preselected" and not sets:
-            continue
         for arch in archs or list(rules.archs("ck_tile")):
-            keys = [e.key for e in kernelset.load([name], "ck_tile", arch)]
+            keys = [e.key for e in kernelset.expand_file(path, "ck_tile", arch)]
             if keys:
                 out.setdefault(name, {})[arch] = keys
     return out
@@ -146,7 +146,13 @@ def main(argv=None) -> int:
     ap.add_argument("-j", "--jobs", type=int, default=2)
     ap.add_argument("--workdir", help="keep rendered sources here (default: a temporary directory)")
     ap.add_argument("--json", help="write a summary (counts, times, failures) to this file")
+    ap.add_argument("--sets-for", metavar="ARCH",
+                    help="print the comma-separated preselected sets with ck_tile kernels for ARCH and exit "
+                         "(for `scons kernels=... backend=ck_tile arch=ARCH check=1`)")
     args = ap.parse_args(argv)
+    if args.sets_for:
+        print(",".join(s for s, per_arch in preselected_keys(archs=[args.sets_for]).items()))
+        return 0
     try:
         ck_tile.check_toolchain()
     except RuntimeError as e:
