@@ -203,3 +203,35 @@ def test_missing_check_pieces_name_the_install_script(monkeypatch, tmp_path):
             ck_tile.check_toolchain()
     finally:
         ck_tile.check_toolchain.cache_clear()
+
+
+def test_rocm_toolchain_identity_covers_compiler_and_headers(monkeypatch, tmp_path):
+    rocm = tmp_path / "rocm"
+    (rocm / "bin").mkdir(parents=True)
+    hipcc = rocm / "bin" / "hipcc"
+    hipcc.write_text("#!/bin/sh\necho 'HIP version: 6.4.1'\necho 'AMD clang version 19.0.0git'\n")
+    hipcc.chmod(0o755)
+    (rocm / ".info").mkdir()
+    (rocm / ".info" / "version").write_text("6.4.1\n")
+    header = rocm / "include" / "ck_tile" / "core.hpp"
+    header.parent.mkdir(parents=True)
+    header.write_text("// v1\n")
+    monkeypatch.setenv("ROCM_PATH", str(rocm))
+    for var in ("HIPCC", "CK_TILE_INCLUDE"):
+        monkeypatch.delenv(var, raising=False)
+    try:
+        ck_tile.toolchain.cache_clear()
+        ck_tile._tree_hash.cache_clear()
+        tc = ck_tile.toolchain()
+        assert tc.compiler == str(hipcc) and tc.include_dirs == (str(rocm / "include"),)
+        for part in ("HIP version: 6.4.1", "AMD clang version 19.0.0git", "ROCm 6.4.1", "sha256:"):
+            assert part in tc.identity, part
+        header.write_text("// v2\n")     # another CK version: another build identity
+        ck_tile.toolchain.cache_clear()
+        ck_tile._tree_hash.cache_clear()
+        assert ck_tile.toolchain().identity != tc.identity
+        ok, why = ck_tile.available()     # compiler and headers, but no GPU here
+        assert ok == Path("/dev/kfd").exists(), why
+    finally:
+        ck_tile.toolchain.cache_clear()
+        ck_tile._tree_hash.cache_clear()

@@ -146,6 +146,12 @@ def _first_line(cmd: list[str]) -> str:
     return (out.stdout or out.stderr).strip().splitlines()[0].strip()
 
 
+def _version_lines(cmd: list[str]) -> str:
+    """Every line of `cmd --version` (hipcc prints the HIP version, then the clang version)."""
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return " | ".join(ln.strip() for ln in (out.stdout or out.stderr).splitlines() if ln.strip())
+
+
 @functools.lru_cache(maxsize=None)
 def toolchain() -> Toolchain:
     cxx = _find_hip_compiler()
@@ -158,7 +164,7 @@ def toolchain() -> Toolchain:
                            f"{_rocm_path() / 'include'}")
     version_file = _rocm_path() / ".info" / "version"
     rocm_version = version_file.read_text().strip() if version_file.is_file() else "unknown"
-    identity = (f"ck_tile build; compiler {_first_line([cxx, '--version'])}; ROCm {rocm_version}; "
+    identity = (f"ck_tile build; compiler {cxx}: {_version_lines([cxx, '--version'])}; ROCm {rocm_version}; "
                 f"ck_tile headers {ck} sha256:{_tree_hash(str(ck), 'ck_tile')}")
     return Toolchain(compiler=cxx, identity=identity, include_dirs=(str(ck),))
 
