@@ -1,10 +1,12 @@
 """GEMM benchmark on the GPU: cuBLAS (torch.mm) vs the kernel tiledispatch selects vs the registry's best.
 
-    python bench/gemm.py --bundle fp16=DIR[,DIR...] --bundle bf16=DIR[,DIR...] [--out bench/results]
+    python bench/gemm.py --registry fp16_essential=fp16:DIR[,DIR...] --registry bf16_essential=bf16:DIR \
+                         [--out bench/results] [--tag h100]
 
 Every candidate is timed the same way in the same run: `calls` back-to-back launches between two CUDA
 events on the current torch stream, inputs rotated over enough sets to overflow L2, median of
-`repeats`. Layout rcr (A row-major, B given as [N, K] row-major, D row-major). Also measures host
+`repeats`. The registry's best also tries the run-time raster order / swizzle parameters on its three
+fastest kernels (the selected kernel runs with the kernel's own choice, params 0). Layout rcr (A row-major, B given as [N, K] row-major, D row-major). Also measures host
 overhead per call at a tiny shape: a raw C call (td_run through ctypes with prebuilt arguments), a
 tiledispatch call (Registry.gemm) and torch.mm. Writes gemm_<tag>.json and gemm_<tag>.png.
 """
@@ -59,7 +61,10 @@ class Inputs:
         self.d = [torch.empty((m, n), dtype=self.a[0].dtype, device="cuda") for _ in range(self.sets)]
 
 
-def bench_shape(reg: Registry, m, n, k, dtype, gen, stream) -> dict:
+PARAMS = [(r, s) for r in (1, 2) for s in (1, 2, 4, 8)]  # (raster along M / N, swizzle)
+
+
+def bench_shape(reg: Registry, m, n, k, dtype, gen, stream, explore: int = 3) -> dict:
     inp = Inputs(m, n, k, dtype, gen)
     flops = 2.0 * m * n * k
     tflops = lambda ms: flops / (ms * 1e-3) / 1e12  # noqa: E731
@@ -71,30 +76,43 @@ def bench_shape(reg: Registry, m, n, k, dtype, gen, stream) -> dict:
     row = {"m": m, "n": n, "k": k, "dtype": dtype, "input_sets": inp.sets}
     row["cublas_ms"] = timed(cublas, stream)
     problem, _ = operands(inp.a[0][None], inp.bt[0].t()[None], inp.d[0][None])
+    ops = [operands(inp.a[j][None], inp.bt[j].t()[None], inp.d[j][None])[1] for j in range(inp.sets)]
+
+    def time_kernel(kern, raster=0, swizzle=0):
+        launcher = Launcher(kern)
+        args = [launcher.args(problem, o, stream, raster=raster, swizzle=swizzle) for o in ops]
+        if any(kern.library.can_run(a)[0] != abi.OK for a in args):
+            return None
+        return timed(lambda i: launcher.run(args[i % inp.sets]), stream)
+
     per_kernel = {}
     for kern in reg.kernels:
-        launcher = Launcher(kern)
-        args = []
-        for j in range(inp.sets):
-            _, ops = operands(inp.a[j][None], inp.bt[j].t()[None], inp.d[j][None])
-            if problem.mismatch(kern.key) is not None:
-                break
-            a = launcher.args(problem, ops, stream)
-            status, _ = kern.library.can_run(a)
-            if status != abi.OK:
-                break
-            args.append(a)
-        if len(args) != inp.sets:
-            continue
-        per_kernel[kern.name] = timed(lambda i: launcher.run(args[i % inp.sets]), stream)
+        if problem.mismatch(kern.key) is None:
+            ms = time_kernel(kern)
+            if ms is not None:
+                per_kernel[kern.name] = ms
     if not per_kernel:
         raise RuntimeError(f"no kernel of the registry runs {m}x{n}x{k} {dtype}")
     selected = reg.select(problem).name
-    best = min(per_kernel, key=per_kernel.get)
-    row.update(selected=selected, selected_ms=per_kernel[selected], best=best, best_ms=per_kernel[best],
-               cublas_tflops=tflops(row["cublas_ms"]), selected_tflops=tflops(per_kernel[selected]),
-               best_tflops=tflops(per_kernel[best]),
-               kernels_tflops={name: round(tflops(ms), 2) for name, ms in sorted(per_kernel.items())})
+    best_default = min(per_kernel, key=per_kernel.get)
+    tuned = {(name, 0, 0): ms for name, ms in per_kernel.items()}
+    for name in sorted(per_kernel, key=per_kernel.get)[:explore]:
+        kern = reg.kernel(name)
+        if kern.key.arch != "sm90a":
+            continue
+        for raster, swizzle in PARAMS:
+            ms = time_kernel(kern, raster, swizzle)
+            if ms is not None:
+                tuned[(name, raster, swizzle)] = ms
+    best, best_raster, best_swizzle = min(tuned, key=tuned.get)
+    row.update(selected=selected, selected_ms=per_kernel[selected], selected_tflops=tflops(per_kernel[selected]),
+               best_default=best_default, best_default_tflops=tflops(per_kernel[best_default]),
+               best=best, best_params={"raster": best_raster, "swizzle": best_swizzle},
+               best_ms=tuned[(best, best_raster, best_swizzle)],
+               cublas_tflops=tflops(row["cublas_ms"]),
+               kernels_tflops={name: round(tflops(ms), 2) for name, ms in sorted(per_kernel.items())},
+               params_tflops={f"{n}|r{r}s{s}": round(tflops(ms), 2) for (n, r, s), ms in tuned.items() if r or s})
+    row["best_tflops"] = tflops(row["best_ms"])
     row["best_vs_cublas"] = row["best_tflops"] / row["cublas_tflops"]
     row["selected_vs_best"] = row["selected_tflops"] / row["best_tflops"]
     return row
@@ -144,19 +162,20 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    dtypes = sorted({r["dtype"] for r in rows})
-    fig, axes = plt.subplots(len(dtypes), 1, figsize=(14, 4.5 * len(dtypes)), squeeze=False)
-    for ax, dt in zip(axes[:, 0], dtypes):
-        rs = [r for r in rows if r["dtype"] == dt]
+    labels = list(dict.fromkeys(r["registry"] for r in rows))
+    fig, axes = plt.subplots(len(labels), 1, figsize=(14, 4.5 * len(labels)), squeeze=False)
+    for ax, dt in zip(axes[:, 0], labels):
+        rs = [r for r in rows if r["registry"] == dt]
         xs = range(len(rs))
         for off, (field, label) in zip((-0.27, 0, 0.27), (("cublas_tflops", "cuBLAS (torch.mm)"),
                                                           ("selected_tflops", "tiledispatch selected"),
-                                                          ("best_tflops", "registry best"))):
+                                                          ("best_tflops", "registry best (+raster/swizzle)"))):
             ax.bar([x + off for x in xs], [r[field] for r in rs], width=0.27, label=label)
         ax.set_xticks(list(xs))
         ax.set_xticklabels([f"{r['m']}x{r['n']}x{r['k']}" for r in rs], rotation=30, ha="right", fontsize=8)
         ax.set_ylabel("TFLOP/s")
-        ax.set_title(f"GEMM {dt} rcr on {torch.cuda.get_device_name(0)}")
+        ax.set_title(f"GEMM {rs[0]['dtype']} rcr, registry {dt} ({len(rs[0]['kernels_tflops'])} kernels), "
+                     f"{torch.cuda.get_device_name(0)}")
         ax.legend(fontsize=8)
         ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
@@ -165,7 +184,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--bundle", action="append", required=True, help="DTYPE=DIR[,DIR...]")
+    ap.add_argument("--registry", action="append", required=True, help="NAME=DTYPE:DIR[,DIR...]")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--tag", default="h100")
     ap.add_argument("--shapes", default="", help="subset, e.g. 4096x4096x4096,16x4096x4096")
@@ -175,28 +194,32 @@ def main() -> int:
     gen.manual_seed(7)
     stream = torch.cuda.current_stream().cuda_stream
     rows, overhead, manifests = [], None, {}
-    for spec in opts.bundle:
-        dtype, dirs = spec.split("=", 1)
+    for spec in opts.registry:
+        label, rest = spec.split("=", 1)
+        dtype, dirs = rest.split(":", 1)
         reg = merged_registry(dirs.split(","))
-        manifests[dtype] = {"bundles": dirs.split(","), "kernels": len(reg.kernels),
+        manifests[label] = {"dtype": dtype, "bundles": dirs.split(","), "kernels": len(reg.kernels),
                             "toolchain": reg.manifest.get("toolchain")}
         for m, n, k in shapes:
             row = bench_shape(reg, m, n, k, dtype, gen, stream)
+            row["registry"] = label
             rows.append(row)
-            print(f"{dtype} {m:>5}x{n:>5}x{k:>5}  cuBLAS {row['cublas_tflops']:6.1f}  selected {row['selected_tflops']:6.1f}"
-                  f"  best {row['best_tflops']:6.1f}  best/cuBLAS {row['best_vs_cublas']:.2f}"
-                  f"  sel/best {row['selected_vs_best']:.2f}  [{row['best'][:60]}]", flush=True)
+            print(f"{label:15s} {m:>5}x{n:>5}x{k:>5}  cuBLAS {row['cublas_tflops']:6.1f}  selected {row['selected_tflops']:6.1f}"
+                  f"  best {row['best_tflops']:6.1f} {row['best_params']}  best/cuBLAS {row['best_vs_cublas']:.2f}"
+                  f"  sel/best {row['selected_vs_best']:.2f}", flush=True)
         if dtype == "fp16" and overhead is None:
             overhead = host_overhead(reg, gen, stream)
+            overhead["registry"] = label
             print("host overhead:", json.dumps(overhead), flush=True)
     geo = {}
-    for dt in sorted({r["dtype"] for r in rows}):
-        rs = [r for r in rows if r["dtype"] == dt]
+    for dt in dict.fromkeys(r["registry"] for r in rows):
+        rs = [r for r in rows if r["registry"] == dt]
         geo[dt] = {
             "best_vs_cublas_geomean": math.exp(statistics.fmean(math.log(r["best_vs_cublas"]) for r in rs)),
             "selected_vs_cublas_geomean": math.exp(statistics.fmean(
                 math.log(r["selected_tflops"] / r["cublas_tflops"]) for r in rs)),
             "selected_vs_best_min": min(r["selected_vs_best"] for r in rs),
+            "best_vs_cublas_8192": next((r["best_vs_cublas"] for r in rs if (r["m"], r["n"], r["k"]) == (8192,) * 3), None),
         }
         print(dt, json.dumps(geo[dt]))
     out = Path(opts.out)

@@ -202,28 +202,36 @@ def free(ptr: int) -> None:
         _check(runtime().cudaFree(ctypes.c_void_p(ptr)), "cudaFree")
 
 
-_workspaces: dict[tuple[int, int], tuple[int, int]] = {}  # (device, stream) -> (ptr, bytes)
+_workspaces: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (device, stream) -> [(ptr, bytes)]
 
 
 def workspace(nbytes: int, stream: int = 0) -> int:
     """A device buffer of at least nbytes for kernels launched on `stream` of the current device.
 
     Allocated once and grown when a larger one is asked for, never per call: kernels on one stream
-    run in order, so they can share it; other streams get their own. Growing frees the old buffer
-    (cudaFree waits for the work using it). Returns 0 for nbytes == 0.
+    run in order, so they can share it; other streams get their own. An outgrown buffer stays
+    allocated (prepared launches may still hold its pointer) until release_workspaces().
+    Returns 0 for nbytes == 0.
     """
     if nbytes <= 0:
         return 0
     slot = (current_device(), int(stream or 0))
     with _lock:
-        ptr, have = _workspaces.get(slot, (0, 0))
-        if have < nbytes:
-            size = max(int(nbytes), 2 * have, 1 << 20)
-            new = malloc(size)
-            free(ptr)
-            ptr, have = new, size
-            _workspaces[slot] = (ptr, have)
-    return ptr
+        buffers = _workspaces.setdefault(slot, [])
+        if not buffers or buffers[-1][1] < nbytes:
+            size = max(int(nbytes), 2 * buffers[-1][1] if buffers else 0, 1 << 20)
+            buffers.append((malloc(size), size))
+        return buffers[-1][0]
+
+
+def release_workspaces() -> None:
+    """Free every workspace buffer (after synchronizing: kernels may still be using them)."""
+    synchronize()
+    with _lock:
+        for buffers in _workspaces.values():
+            for ptr, _ in buffers:
+                free(ptr)
+        _workspaces.clear()
 
 
 def memcpy_htod(dst: int, src: np.ndarray) -> None:
