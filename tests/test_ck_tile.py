@@ -101,6 +101,7 @@ ILLEGAL = {
     "ck_tile.conv_pipeline": _conv(direction="bwd_data", pipeline="compv4"),
     "ck_tile.conv_traits": _conv(extras={"pad_m": True}),
     "ck_tile.conv_vectors": _conv(extras={"vector_a": 16}),
+    "ck_tile.conv_transposed_vectors": _conv(direction="bwd_weight", extras={"vector_a": 4}),
 }
 # the wave-layout rule is per arch: 4x4x1 is legal on gfx950 only
 ILLEGAL_ELSEWHERE = {"ck_tile.wave_layout": _gemm(arch="gfx950", tile=(256, 256, 32), warps=(4, 4, 1))}
@@ -127,6 +128,9 @@ def test_arch_dependent_rules_accept_what_the_arch_has():
     assert not rules.check(_gemm(arch="gfx950", tile=(256, 256, 64), pipeline="compv4"))   # 160 KiB of LDS
     assert not rules.check(_gemm(pipeline="mem", scheduler="interwave"))
     assert not rules.check(_conv(direction="bwd_weight", dims=3, pipeline="mem"))
+    assert not rules.check(_conv(direction="bwd_data", extras={"vector_a": 4, "vector_c": 2}))
+    assert rules.check(_conv(direction="bwd_data", extras={"vector_b": 4}))
+    assert not rules.check(_conv(direction="fwd", extras={"vector_a": 1, "vector_b": 1, "vector_c": 1}))
 
 
 def test_illegal_config_in_a_kernel_set_names_file_and_rule(tmp_path):
