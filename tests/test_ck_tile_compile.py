@@ -4,6 +4,7 @@ headers. The full check of every preselected ck_tile config runs through
 `scons kernels=<sets> backend=ck_tile arch=<arch> check=1` (or scripts/ck_check.py)."""
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -60,3 +61,15 @@ def test_negative_controls_fail_the_compile_check(tmp_path, arch):
         marker = next(v for k, v in expected_error.items() if why.startswith(k))
         assert marker in result.log, result.log[-3000:]
         assert not (tmp_path / f"{key.name}.check").exists()    # no stamp for a failed check
+
+
+def test_source_refuses_another_arch(tmp_path):
+    """Device code guarded by arch macros compiles to nothing for a wrong arch and would pass trivially:
+    the generated source stops such a check with an #error."""
+    key = parse_kernel_name(SAMPLE[2])             # a gfx942 kernel
+    src = tmp_path / "k.hip"
+    src.write_text(ck_check.codegen.render(key))
+    cmd = ck_tile.check_command(key, TOOLCHAIN, str(src), str(tmp_path / "k.check"))
+    cmd = [a.replace("--offload-arch=gfx942", "--offload-arch=gfx90a") for a in cmd]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode != 0 and "generated for gfx942" in proc.stderr, proc.stderr[-2000:]
