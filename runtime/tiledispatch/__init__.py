@@ -6,6 +6,7 @@
 """
 from .errors import (BundleError, InvalidInputError, KernelRuntimeError, SpecError, TileDispatchError,  # noqa: F401
                      UnsupportedProblemError)
+from .ops.conv import ConvProblem  # noqa: F401
 from .ops.gemm import GemmProblem  # noqa: F401
 from .registry import Kernel, Registry, load  # noqa: F401
 from .spec.key import Algorithm, Epilogue, KernelKey, Signature, kernel_name, parse_kernel_name  # noqa: F401

@@ -84,33 +84,45 @@ class Plan:
 
     def _prepare(self, tensors: dict, prints: list) -> None:
         operands = self._ops.operands_for(self.problem, tensors)
-        self.registry._check_device(operands)
-        reason = self.problem.mismatch(self.kernel.key)
-        if reason:
-            raise UnsupportedProblemError(f"{self.kernel.name} cannot run {self.problem}: {reason}")
-        args = self._ops.make_args(self.problem, self.kernel.key, operands, **self.scalars)
-        args.num_threads = self.num_threads
-        first = next(v.obj for v in operands.all())
+        args = bind(self.registry, self.problem, self.kernel, operands, stream=self.stream,
+                    num_threads=self.num_threads, **self.scalars)
         # no explicit stream: launch on the current stream of the caller's framework, looked up per call
         self._follow_stream = self.stream is None and self.registry.device != "cpu"
-        self._first = first
-        args.stream = current_stream(first) if self._follow_stream else self.stream
-        need = self.kernel.library.workspace_bytes(args)
-        if need:
-            args.workspace = self.registry.workspace(need, first)
-            args.workspace_bytes = need
+        self._first = next(v.obj for v in operands.all())
         status, why = self.kernel.library.can_run(args)
         if status != abi.OK:
-            self._raise(status, why)
+            self._args = None
+            raise_for_status(self.kernel, status, why)
         self._args, self._prints = args, tuple(p[1] for p in prints)
         self._args_ref = ctypes.byref(args)
         self._slot_structs = [args.tensors[i] for i in range(len(prints))]
 
-    def _raise(self, status: int, reason: Optional[str] = None) -> None:
-        reason = reason if reason is not None else self._reason.value.decode()
+    def _raise(self, status: int) -> None:
         self._args = None  # the next call re-validates
-        if status == abi.UNSUPPORTED:
-            raise UnsupportedProblemError(f"{self.kernel.name}: {reason}")
-        if status == abi.INVALID_ARGUMENT:
-            raise InvalidInputError(f"{self.kernel.name}: {reason}")
-        raise KernelRuntimeError(f"{self.kernel.name}: {reason}")
+        raise_for_status(self.kernel, status, self._reason.value.decode())
+
+
+def bind(registry, problem, kernel, operands, *, stream=None, num_threads: int = 0, **scalars) -> abi.TdArgs:
+    """td_args for one launch of kernel on checked operands: device, signature, stream and workspace."""
+    registry._check_device(operands)
+    reason = problem.mismatch(kernel.key)
+    if reason:
+        raise UnsupportedProblemError(f"{kernel.name} cannot run {problem}: {reason}")
+    ops = __import__(f"{__package__}.ops.{problem.op}", fromlist=["make_args"])
+    args = ops.make_args(problem, kernel.key, operands, **scalars)
+    args.num_threads = num_threads
+    first = next(v.obj for v in operands.all())
+    args.stream = current_stream(first) if stream is None and registry.device != "cpu" else stream
+    need = kernel.library.workspace_bytes(args)
+    if need:
+        args.workspace = registry.workspace(need, first)
+        args.workspace_bytes = need
+    return args
+
+
+def raise_for_status(kernel, status: int, reason: str) -> None:
+    if status == abi.UNSUPPORTED:
+        raise UnsupportedProblemError(f"{kernel.name}: {reason}")
+    if status == abi.INVALID_ARGUMENT:
+        raise InvalidInputError(f"{kernel.name}: {reason}")
+    raise KernelRuntimeError(f"{kernel.name}: {reason}")

@@ -13,8 +13,8 @@ from typing import Callable, Optional, Union
 
 from . import abi, bundle, selection
 from .backends import get as get_backend
-from .plan import Plan, fingerprint
-from .errors import BundleError, InvalidInputError, KernelRuntimeError, UnsupportedProblemError
+from .plan import Plan, bind, fingerprint, raise_for_status
+from .errors import BundleError, InvalidInputError, UnsupportedProblemError
 from .spec import rules
 from .spec.key import KernelKey
 
@@ -102,28 +102,17 @@ class Registry:
             num_threads: int = 0, **scalars) -> Kernel:
         """Launch one kernel once; operands is the op module's Operands or a dict of arrays (for GEMM:
         a, b, out, and optionally c, bias, residuals). Returns the kernel used."""
-        ops = op_module(problem.op)
         if isinstance(operands, dict):
-            operands = ops.operands_for(problem, operands)
-        self._check_device(operands)
+            operands = op_module(problem.op).operands_for(problem, operands)
         if isinstance(kernel, str):
             kernel = self.kernel(kernel)
         if kernel is None:
+            self._check_device(operands)
             kernel = self.select(problem, operands=operands)
-        else:
-            reason = problem.mismatch(kernel.key)
-            if reason:
-                raise UnsupportedProblemError(f"{kernel.name} cannot run {problem}: its signature has {reason}")
-        args = ops.make_args(problem, kernel.key, operands, **scalars)
-        args.num_threads = num_threads
-        args.stream = stream
+        args = bind(self, problem, kernel, operands, stream=stream, num_threads=num_threads, **scalars)
         status, reason = kernel.library.run(args)
-        if status == abi.UNSUPPORTED:
-            raise UnsupportedProblemError(f"{kernel.name}: {reason}")
-        if status == abi.INVALID_ARGUMENT:
-            raise InvalidInputError(f"{kernel.name}: {reason}")
         if status != abi.OK:
-            raise KernelRuntimeError(f"{kernel.name}: {reason}")
+            raise_for_status(kernel, status, reason)
         return kernel
 
     def plan(self, problem, *, kernel: Union[Kernel, str, None] = None, stream=None, num_threads: int = 0,
@@ -166,6 +155,24 @@ class Registry:
             while len(self._plans) > PLAN_CACHE_SIZE:
                 self._plans.pop(next(iter(self._plans)))
         return operands.out
+
+    def conv_fwd(self, x, w, out=None, **options):
+        """y = alpha * conv(x, w) + beta * out (grouped, 1-3D); options: see ops.conv.operands and fwd."""
+        from .ops import conv
+
+        return conv.fwd(self, x, w, out, **options)
+
+    def conv_bwd_data(self, dy, w, out=None, **options):
+        """dx = alpha * conv_bwd_data(dy, w) + beta * out; without out, give in_size."""
+        from .ops import conv
+
+        return conv.bwd_data(self, dy, w, out, **options)
+
+    def conv_bwd_weight(self, x, dy, out=None, **options):
+        """dw = alpha * conv_bwd_weight(x, dy) + beta * out; without out, give filter_size."""
+        from .ops import conv
+
+        return conv.bwd_weight(self, x, dy, out, **options)
 
     def workspace(self, nbytes: int, like) -> int:
         """A device buffer of at least nbytes, allocated once per device and grown, never per call.

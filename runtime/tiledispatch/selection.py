@@ -25,7 +25,7 @@ def estimated_cost(problem, key) -> float:
     """Relative time of one kernel on one problem (lower is better); only the ranking matters."""
     tm, tn, tk = key.algorithm.tile
     split = key.algorithm.split_k
-    m, n, k, batch = _gemm_view(problem)
+    m, n, k, batch = _gemm_view(problem, key)
     tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch * split
     waves = math.ceil(tiles / compute_units(key.backend, key.arch))
     k_per_tile = math.ceil(math.ceil(k / split) / tk) * tk
@@ -38,10 +38,10 @@ def analytic(problem, kernels) -> list:
     return sorted(kernels, key=lambda kern: (estimated_cost(problem, kern.key), kern.name))
 
 
-def _gemm_view(problem) -> tuple[int, int, int, int]:
-    """(m, n, k, batch) of the implicit GEMM an op performs."""
+def _gemm_view(problem, key) -> tuple[int, int, int, int]:
+    """(m, n, k, batch) of the (implicit) GEMM the kernel performs for the problem."""
     if hasattr(problem, "gemm_shape"):
-        return problem.gemm_shape()
+        return problem.gemm_shape(key)
     return problem.m, problem.n, problem.k, problem.batch
 
 
