@@ -74,23 +74,23 @@ def bench_shape(reg: Registry, m, n, k, dtype, gen, stream, explore: int = 3) ->
         torch.mm(inp.a[j], inp.bt[j].t(), out=inp.d[j])
 
     row = {"m": m, "n": n, "k": k, "dtype": dtype, "input_sets": inp.sets}
-    row["cublas_ms"] = timed(cublas, stream)
     problem, _ = operands(inp.a[0][None], inp.bt[0].t()[None], inp.d[0][None])
     ops = [operands(inp.a[j][None], inp.bt[j].t()[None], inp.d[j][None])[1] for j in range(inp.sets)]
 
-    def time_kernel(kern, raster=0, swizzle=0):
+    def prepared(kern, raster=0, swizzle=0):
+        """A function launching kern on input set i % sets, or None when it refuses the problem."""
         launcher = Launcher(kern)
         args = [launcher.args(problem, o, stream, raster=raster, swizzle=swizzle) for o in ops]
         if any(kern.library.can_run(a)[0] != abi.OK for a in args):
             return None
-        return timed(lambda i: launcher.run(args[i % inp.sets]), stream)
+        return lambda i: launcher.run(args[i % inp.sets])
 
     per_kernel = {}
     for kern in reg.kernels:
         if problem.mismatch(kern.key) is None:
-            ms = time_kernel(kern)
-            if ms is not None:
-                per_kernel[kern.name] = ms
+            fn = prepared(kern)
+            if fn is not None:
+                per_kernel[kern.name] = timed(fn, stream)
     if not per_kernel:
         raise RuntimeError(f"no kernel of the registry runs {m}x{n}x{k} {dtype}")
     selected = reg.select(problem).name
@@ -101,18 +101,29 @@ def bench_shape(reg: Registry, m, n, k, dtype, gen, stream, explore: int = 3) ->
         if kern.key.arch != "sm90a":
             continue
         for raster, swizzle in PARAMS:
-            ms = time_kernel(kern, raster, swizzle)
-            if ms is not None:
-                tuned[(name, raster, swizzle)] = ms
+            fn = prepared(kern, raster, swizzle)
+            if fn is not None:
+                tuned[(name, raster, swizzle)] = timed(fn, stream)
     best, best_raster, best_swizzle = min(tuned, key=tuned.get)
-    row.update(selected=selected, selected_ms=per_kernel[selected], selected_tflops=tflops(per_kernel[selected]),
-               best_default=best_default, best_default_tflops=tflops(per_kernel[best_default]),
-               best=best, best_params={"raster": best_raster, "swizzle": best_swizzle},
-               best_ms=tuned[(best, best_raster, best_swizzle)],
-               cublas_tflops=tflops(row["cublas_ms"]),
-               kernels_tflops={name: round(tflops(ms), 2) for name, ms in sorted(per_kernel.items())},
-               params_tflops={f"{n}|r{r}s{s}": round(tflops(ms), 2) for (n, r, s), ms in tuned.items() if r or s})
-    row["best_tflops"] = tflops(row["best_ms"])
+    # The reported numbers: cuBLAS, the selected kernel (its own params) and the best variant, re-timed
+    # in three interleaved passes (median), so that clock drift and noise hit all three alike.
+    contenders = {"cublas": cublas, "selected": prepared(reg.kernel(selected)),
+                  "best": prepared(reg.kernel(best), best_raster, best_swizzle)}
+    final = {name: [] for name in contenders}
+    for _ in range(3):
+        for name, fn in contenders.items():
+            final[name].append(timed(fn, stream))
+    ms = {name: statistics.median(v) for name, v in final.items()}
+    if ms["selected"] < ms["best"]:  # the selected kernel is the registry's best after all
+        best, best_raster, best_swizzle, ms["best"] = selected, 0, 0, ms["selected"]
+    row.update(cublas_ms=ms["cublas"], selected=selected, selected_ms=ms["selected"],
+               selected_tflops=tflops(ms["selected"]), best=best,
+               best_params={"raster": best_raster, "swizzle": best_swizzle}, best_ms=ms["best"],
+               best_tflops=tflops(ms["best"]), cublas_tflops=tflops(ms["cublas"]),
+               final_samples_ms=final, best_default=best_default,
+               best_default_tflops=tflops(per_kernel[best_default]),
+               kernels_tflops={name: round(tflops(t), 2) for name, t in sorted(per_kernel.items())},
+               params_tflops={f"{n}|r{r}s{s}": round(tflops(t), 2) for (n, r, s), t in tuned.items() if r or s})
     row["best_vs_cublas"] = row["best_tflops"] / row["cublas_tflops"]
     row["selected_vs_best"] = row["selected_tflops"] / row["best_tflops"]
     return row
@@ -224,8 +235,9 @@ def main() -> int:
         print(dt, json.dumps(geo[dt]))
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"machine": machine(), "bundles": manifests, "timing": "median of 10 batches of back-to-back "
-              "launches between CUDA events, inputs rotated over >= 3x L2", "rows": rows, "summary": geo,
+    result = {"machine": machine(), "bundles": manifests, "timing": "per candidate: median of 10 batches of "
+              "back-to-back launches between CUDA events, inputs rotated over >= 3x L2; cuBLAS, selected and best "
+              "re-timed so in 3 interleaved passes, median reported", "rows": rows, "summary": geo,
               "host_overhead": overhead}
     (out / f"gemm_{opts.tag}.json").write_text(json.dumps(result, indent=1))
     plot(rows, out / f"gemm_{opts.tag}.png")

@@ -92,6 +92,16 @@ def test_symbol_map():
     assert cutlass.context(sm80(tile=(128, 256, 64), warps=(2, 4, 1)))["stages"] == 3
 
 
+def test_sm90_default_tile_order():
+    small = cutlass.context(sm90(tile=(64, 128, 64), pipeline="tma_ws_pingpong"))
+    assert (small["default_raster"], small["default_swizzle"]) == ("AlongM", 2)
+    clustered = cutlass.context(sm90(tile=(64, 128, 64), pipeline="tma_ws_pingpong", cluster=(2, 1, 1)))
+    assert (clustered["default_raster"], clustered["default_swizzle"]) == ("AlongM", 1)
+    tall = cutlass.context(sm90(tile=(256, 128, 64)))
+    assert (tall["default_raster"], tall["default_swizzle"]) == ("Heuristic", 1)
+    assert "RasterOrder::AlongM;" in codegen.render(sm90(tile=(64, 128, 64), pipeline="tma_ws_pingpong"))
+
+
 def preselected_cutlass_keys() -> list[KernelKey]:
     keys = {}
     for name in kernelset.available_sets():
