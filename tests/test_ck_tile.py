@@ -93,7 +93,8 @@ ILLEGAL = {
     "ck_tile.min_tile": _gemm(arch="gfx950", tile=(16, 16, 4), warps=(1, 1, 1), mma=(16, 16, 4),
                               dtypes=("fp32", "fp32", "fp32", "fp32")),
     "ck_tile.lds_budget": _gemm(tile=(256, 256, 64), pipeline="compv4"),
-    "ck_tile.scheduler": _gemm(pipeline="compv3", scheduler="interwave"),
+    "ck_tile.scheduler": _gemm(scheduler="roundrobin"),
+    "ck_tile.pipeline_scheduler": _gemm(pipeline="compv3", scheduler="interwave"),
     "ck_tile.cshuffle_odd_repeat": _gemm(tile=(192, 128, 32)),
     "ck_tile.pad_k_col_b": _gemm(layout="rcr", extras={"pad_k": True}),
     "ck_tile.epilogue_fusion": _gemm(epilogue=Epilogue("relu", True, 0)),
@@ -140,7 +141,7 @@ def test_illegal_config_in_a_kernel_set_names_file_and_rule(tmp_path):
         "groups": [{"backend": "ck_tile", "arch": "gfx942", "op": "gemm", "dtype": "fp16", "layout": "rcr",
                     "tile": [128, 128, 32], "warps": [2, 2, 1], "mma": [32, 32, 16], "pipeline": "compv3",
                     "scheduler": "interwave"}]}))
-    with pytest.raises(SpecError, match=r"bad_set\.yaml.*groups\[0\].*ck_tile\.scheduler"):
+    with pytest.raises(SpecError, match=r"bad_set\.yaml.*groups\[0\].*ck_tile\.pipeline_scheduler"):
         kernelset.expand_file(path, "ck_tile", "gfx942")
 
 
