@@ -21,10 +21,12 @@ _CTYPE = {"fp32": "float", "fp16": "uint16_t", "bf16": "uint16_t", "int8": "int8
 def templates(key: KernelKey) -> list[str]:
     sig = key.signature
     if sig.op == "conv":  # one template per direction and pipeline; identity epilogue only (cpu.conv_epilogue)
+        shared = ["_includes.j2", "_common.j2", "_conv_common.j2", "_microkernel.j2"]
         if key.algorithm.pipeline == "direct":
-            return [f"conv_{sig.direction}_direct.cpp.j2", "_common.j2", "_conv_common.j2", "_conv_direct.j2"]
-        return [f"conv_{sig.direction}.cpp.j2", "_common.j2", "_conv_common.j2"]
-    return [f"{sig.op}.cpp.j2", "_common.j2", "_epilogue.j2", f"activation/{sig.epilogue.activation}.j2"]
+            return [f"conv_{sig.direction}_direct.cpp.j2", *shared, "_conv_direct.j2"]
+        return [f"conv_{sig.direction}.cpp.j2", *shared]
+    return [f"{sig.op}.cpp.j2", "_includes.j2", "_common.j2", "_microkernel.j2", "_epilogue.j2",
+            f"activation/{sig.epilogue.activation}.j2"]
 
 
 def context(key: KernelKey) -> dict:
