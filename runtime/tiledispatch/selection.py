@@ -31,7 +31,7 @@ def estimated_cost(problem, key) -> float:
     k_per_tile = math.ceil(math.ceil(k / split) / tk) * tk
     knee = rules.backend_rules(key.backend).get("selection", {}).get("intensity_knee", 64.0)
     efficiency = min(1.0, (tm * tn / (tm + tn)) / knee)
-    return waves * tm * tn * k_per_tile / efficiency
+    return waves * tm * tn * k_per_tile / efficiency * rules.cost_factor(key)
 
 
 def analytic(problem, kernels) -> list:

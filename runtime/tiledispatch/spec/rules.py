@@ -150,6 +150,20 @@ def check(key: KernelKey) -> list[Violation]:
     return out
 
 
+@functools.lru_cache(maxsize=4096)
+def cost_factor(key: KernelKey) -> float:
+    """The product of the rules' selection.cost_factors whose `when` holds for the key (1.0 for none): how a
+    backend tells the analytic ranker that some kernels are slower than their tile shape suggests."""
+    entries = (backend_rules(key.backend).get("selection") or {}).get("cost_factors") or []
+    factor = 1.0
+    if entries:
+        ns = namespace(key)
+        for i, entry in enumerate(entries):
+            if _evaluate(entry["when"], ns, f"{key.backend}.selection.cost_factors[{i}]"):
+                factor *= float(entry["factor"])
+    return factor
+
+
 def _extra_value_ok(spec: dict, value: Any) -> bool:
     kind = spec["type"]
     if kind == "bool":
