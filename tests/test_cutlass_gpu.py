@@ -132,3 +132,50 @@ def test_cuda_module_memory_round_trip():
     timer.start()
     timer.stop()
     assert timer.elapsed_ms() >= 0
+
+
+def test_every_kernel_by_name(registry):
+    """Each fp16 rcr identity kernel of the bundle, named explicitly (stream-K ones need a workspace)."""
+    a, b = rcr(528, 784, 1040, seed=3)
+    ref = a.double() @ b.double()
+    ran = 0
+    for kern in registry.kernels:
+        sig = kern.key.signature
+        if (sig.dtype_a, sig.layout, sig.epilogue.activation, sig.epilogue.bias, sig.epilogue.residuals) != \
+                ("fp16", "rcr", "identity", False, 0):
+            continue
+        out = torch.full((528, 784), float("nan"), dtype=torch.float16, device="cuda")
+        registry.gemm(a, b, out=out, kernel=kern.name)
+        torch.cuda.synchronize()
+        assert relerr(out, ref) < 2e-3, kern.name
+        ran += 1
+    assert ran
+
+
+def test_cupy_arrays_in_place(registry):
+    cupy = pytest.importorskip("cupy")
+    rng = cupy.random.default_rng(5)
+    a = rng.uniform(-1, 1, (256, 512), dtype=cupy.float32).astype(cupy.float16)
+    b = cupy.asfortranarray(rng.uniform(-1, 1, (512, 384), dtype=cupy.float32).astype(cupy.float16))
+    out = cupy.full((256, 384), cupy.nan, dtype=cupy.float16)
+    with cupy.cuda.Stream(non_blocking=True) as s:
+        registry.gemm(a, b, out=out)
+        s.synchronize()
+    ref = a.astype(cupy.float64) @ b.astype(cupy.float64)
+    assert float(cupy.linalg.norm(out.astype(cupy.float64) - ref) / cupy.linalg.norm(ref)) < 2e-3
+
+
+def test_numpy_through_device_arrays(registry):
+    """numpy inputs with explicit copies: tiledispatch.cuda.DeviceArray in, to_host() out."""
+    import numpy as np
+
+    rng = np.random.default_rng(2)
+    a = rng.uniform(-1, 1, (192, 320)).astype(np.float16)
+    b = np.asfortranarray(rng.uniform(-1, 1, (320, 256)).astype(np.float16))
+    da, db = cuda.DeviceArray(a), cuda.DeviceArray(b)
+    dout = cuda.DeviceArray(np.full((192, 256), np.nan, dtype=np.float16))
+    registry.gemm(da, db, out=dout)
+    cuda.synchronize()
+    out = dout.to_host().astype(np.float64)
+    ref = a.astype(np.float64) @ b.astype(np.float64)
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 2e-3
