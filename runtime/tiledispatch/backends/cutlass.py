@@ -20,7 +20,7 @@ from ..spec.key import KernelKey
 from . import Toolchain, cutlass_conv
 
 SOURCE_SUFFIX = ".cu"
-JOB_MEMORY_BYTES = 3_600 * 2**20  # one sm90a CUTLASS instantiation peaks near 3.4 GB in nvcc
+JOB_MEMORY_BYTES = 3_900 * 2**20  # measured nvcc peaks: 3.1-3.8 GB per sm90a instantiation (fused epilogues highest), ~1.2 GB sm80
 
 # our dtype names -> CUTLASS element types (sm80 reads fp32 operands as tf32)
 _CTYPE = {
