@@ -1,0 +1,71 @@
+"""Shared by bench/validate_conv_gpu.py and bench/conv.py: launching one conv kernel of a bundle on torch
+tensors through the C ABI (arguments built once, workspace from tiledispatch.cuda, current torch stream)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+
+from tiledispatch import abi, cuda  # noqa: E402
+from tiledispatch.ops import conv  # noqa: E402
+
+TORCH_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def kind_of(key) -> tuple[str, ...]:
+    """Which problem kinds a kernel is meant for (what validation and benchmarks try it on)."""
+    alg = key.algorithm
+    if alg.pipeline == "implicit_gemm":
+        return ("dense", "g16", "g64")
+    cpg = alg.extra("cutlass.cpg", 0)
+    if cpg == 1:
+        return ("depthwise",)
+    if cpg == 4:
+        return ("g4",)
+    return ("g4", "depthwise", "multiplier", "odd")
+
+
+class ConvLauncher:
+    """One kernel on one problem: td_args built once, td_run per call (one launch, no sync)."""
+
+    def __init__(self, kernel, problem, x, w, y, alpha=1.0, beta=0.0):
+        self.kernel, self.lib = kernel, kernel.library
+        _, ops = conv.operands(problem.direction, x, w, y, stride=problem.stride, dilation=problem.dilation,
+                               pad_lo=problem.pad_lo, pad_hi=problem.pad_hi,
+                               groups=None if x.dim() == problem.spatial_dims + 3 else problem.g)
+        self.args = conv.make_args(problem, kernel.key, ops, alpha=alpha, beta=beta)
+        self.args.stream = torch.cuda.current_stream().cuda_stream or None
+        need = self.lib.workspace_bytes(self.args)
+        if need:
+            self.args.workspace = cuda.workspace(need, self.args.stream or 0)
+            self.args.workspace_bytes = need
+
+    def can_run(self) -> tuple[int, str]:
+        return self.lib.can_run(self.args)
+
+    def __call__(self) -> None:
+        status, reason = self.lib.run(self.args)
+        if status != abi.OK:
+            raise RuntimeError(f"{self.kernel.name}: status {status}: {reason}")
+
+
+def machine() -> dict:
+    import subprocess
+
+    props = torch.cuda.get_device_properties(0)
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.max.sm", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        smi = ""
+    try:
+        nvcc = subprocess.run(["nvcc", "--version"], capture_output=True, text=True, timeout=30).stdout.strip()
+        nvcc = nvcc.splitlines()[-2] if nvcc else ""
+    except (OSError, subprocess.TimeoutExpired):
+        nvcc = ""
+    return {"gpu": props.name, "sms": props.multi_processor_count, "nvidia_smi": smi, "torch": torch.__version__,
+            "cuda_torch": torch.version.cuda, "cudnn": torch.backends.cudnn.version(), "nvcc": nvcc,
+            "cudart": cuda.versions()}

@@ -1,0 +1,233 @@
+"""Validate every conv kernel of cutlass bundles on the GPU against the float64 reference.
+
+    python bench/validate_conv_gpu.py BUNDLE_DIR [BUNDLE_DIR ...] [--json out.json]
+
+Per kernel: the problem kinds it is meant for (implicit_gemm: dense, C/G = 16, C/G = 64; direct: depthwise,
+C/G = 4, and for the generic direct kernel also channel multipliers and odd channel counts) in every
+geometry (stride 1/2 x dilation 1/2, all with asymmetric padding), random inputs (never zeros), the output
+poisoned with NaN first; pass = every element written and ||out - ref|| / ||ref|| within the rules'
+tolerance. Then per direction and rank, through the runtime's own selection on torch channels_last
+tensors (groups=G form), against torch's float32 convolution; alpha/beta on one problem per kernel; and
+refusals (misaligned channels for implicit_gemm). Exit status 1 on any failure.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+
+import numpy as np
+import torch
+
+from _conv_common import TORCH_DTYPE, ConvLauncher, kind_of, machine
+from tiledispatch import abi, load, reference, validation
+from tiledispatch.ops import conv
+
+# (G, C/G, K/G): a partial lane block, partial GEMM tiles
+KINDS = {"dense": (1, 32, 48), "g16": (4, 16, 16), "g64": (2, 64, 64), "g4": (32, 4, 4), "depthwise": (96, 1, 1),
+         "multiplier": (24, 1, 2), "odd": (6, 3, 5)}
+GEOMETRIES = {  # stride, dilation, pad_lo, pad_hi per dim (innermost last; cut to the rank)
+    "s1d1": ((1, 1, 1), (1, 1, 1), (1, 0, 2), (0, 2, 1)),
+    "s2d1": ((2, 2, 2), (1, 1, 1), (0, 1, 1), (2, 0, 0)),
+    "s1d2": ((1, 1, 1), (2, 2, 2), (2, 1, 0), (1, 0, 3)),
+    "s2d2": ((2, 2, 2), (2, 2, 2), (1, 2, 0), (0, 1, 2)),
+}
+SIZES = {1: (3, (67,), (5,)), 2: (2, (19, 23), (3, 3)), 3: (2, (5, 9, 11), (3, 3, 3))}  # N, spatial, filter
+
+
+def make_case(rng, direction, rank, kind, geometry, dtype):
+    n, in_size, filt = SIZES[rank]
+    g, cg, kg = KINDS[kind]
+    stride, dilation, pad_lo, pad_hi = (v[-rank:] for v in GEOMETRIES[geometry])
+    p = conv.ConvProblem(direction, n, g, g * cg, g * kg, in_size, filt, stride, dilation, pad_lo, pad_hi,
+                         dtype, dtype, dtype)
+    shapes = p.shapes()
+    host = {role: validation.random_array(rng, shapes[role], dtype) for role in ("x", "w", "y")}
+    geo = (p.stride, p.dilation, p.pad_lo, p.pad_hi)
+    if direction == "fwd":
+        expect = reference.conv_fwd(host["x"], host["w"], *geo)
+    elif direction == "bwd_data":
+        expect = reference.conv_bwd_data(host["y"], host["w"], p.in_size, *geo)
+    else:
+        expect = reference.conv_bwd_weight(host["x"], host["y"], p.filter_size, *geo)
+    return p, host, expect
+
+
+def to_device(host: dict, dtype: str, written: str) -> dict:
+    dev = {}
+    for role, a in host.items():
+        t = torch.from_numpy(a.astype(np.float32)).to("cuda", TORCH_DTYPE[dtype])
+        dev[role] = t.fill_(float("nan")) if role == written else t
+    return dev
+
+
+def run_kernel(kern, p, dev, alpha=1.0, beta=0.0) -> np.ndarray:
+    launch = ConvLauncher(kern, p, dev["x"], dev["w"], dev["y"], alpha=alpha, beta=beta)
+    status, reason = launch.can_run()
+    if status != abi.OK:
+        raise RuntimeError(f"refused: {reason}")
+    launch()
+    torch.cuda.synchronize()
+    return dev[conv.WRITES[p.direction]].float().cpu().numpy()
+
+
+def check_kernels(registries, cases_cache, rng) -> list[dict]:
+    results = []
+    for reg in registries:
+        for kern in reg.kernels:
+            sig = kern.key.signature
+            if sig.op != "conv":
+                continue
+            t0 = time.time()
+            fails = 0
+            for kind, geometry in itertools.product(kind_of(kern.key), GEOMETRIES):
+                ck = (sig.direction, sig.spatial_dims, kind, geometry, sig.dtype_a)
+                if ck not in cases_cache:
+                    cases_cache[ck] = make_case(rng, *ck)
+                p, host, expect = cases_cache[ck]
+                entry = {"kernel": kern.name, "problem": str(p), "kind": kind, "geometry": geometry}
+                try:
+                    dev = to_device(host, sig.dtype_a, conv.WRITES[p.direction])
+                    out = run_kernel(kern, p, dev)
+                    entry.update(validation.compare(out, expect, kern.key))
+                except Exception as e:  # noqa: BLE001 - record and go on
+                    entry.update(passed=False, error=str(e)[:400])
+                fails += not entry["passed"]
+                results.append(entry)
+                if not entry["passed"]:
+                    print(f"  FAIL {kern.name} {kind} {geometry}: {entry.get('rel_error', entry.get('error'))}")
+            # alpha / beta: out = 0.75 conv - 1.25 out on the first kind, geometry s2d1
+            kind = kind_of(kern.key)[0]
+            p, host, expect = cases_cache[(sig.direction, sig.spatial_dims, kind, "s2d1", sig.dtype_a)]
+            written = conv.WRITES[p.direction]
+            host2 = dict(host)
+            host2[written] = validation.random_array(rng, host[written].shape, sig.dtype_a)
+            dev = {role: torch.from_numpy(a.astype(np.float32)).to("cuda", TORCH_DTYPE[sig.dtype_a])
+                   for role, a in host2.items()}
+            old = dev[written].double().cpu().numpy()
+            entry = {"kernel": kern.name, "problem": str(p), "kind": kind, "geometry": "s2d1", "alpha": 0.75,
+                     "beta": -1.25}
+            try:
+                out = run_kernel(kern, p, dev, alpha=0.75, beta=-1.25)
+                entry.update(validation.compare(out, 0.75 * expect - 1.25 * old, kern.key))
+            except Exception as e:  # noqa: BLE001
+                entry.update(passed=False, error=str(e)[:400])
+            fails += not entry["passed"]
+            results.append(entry)
+            print(f"{'ok  ' if not fails else 'FAIL'} {kern.name}: {fails} failures ({time.time() - t0:.1f} s)",
+                  flush=True)
+    return results
+
+
+def torch_reference(direction, x, w, dy, stride, dilation, pad_lo, pad_hi, groups):
+    """float32 torch result with asymmetric padding (pad first, convolve unpadded, crop)."""
+    rank = x.dim() - 2
+    pads = [v for d in reversed(range(rank)) for v in (pad_lo[d], pad_hi[d])]
+    xp = torch.nn.functional.pad(x.float(), pads)
+    fn = {1: torch.nn.functional.conv1d, 2: torch.nn.functional.conv2d, 3: torch.nn.functional.conv3d}[rank]
+    if direction == "fwd":
+        return fn(xp, w.float(), None, stride, 0, dilation, groups)
+    mask = [direction == "bwd_data", direction == "bwd_weight", False]
+    gi, gw, _ = torch.ops.aten.convolution_backward(dy.float(), xp, w.float(), None, list(stride), [0] * rank,
+                                                    list(dilation), False, [0] * rank, groups, mask)
+    if direction == "bwd_weight":
+        return gw
+    return gi[(slice(None), slice(None)) + tuple(slice(pad_lo[d], pad_lo[d] + x.shape[2 + d]) for d in range(rank))]
+
+
+def check_selection(registries) -> list[dict]:
+    """The runtime picks a kernel itself for torch channels_last tensors (logical [N, C, ...] form)."""
+    results = []
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for reg in registries:
+        dtypes = sorted({k.key.signature.dtype_a for k in reg.kernels})
+        for dtype, direction, rank, kind in itertools.product(dtypes, conv.CONV_DIRECTIONS, (1, 2, 3),
+                                                              ("dense", "g4", "depthwise")):
+            g, cg, kg = KINDS[kind]
+            n, in_size, filt = SIZES[rank]
+            stride, dilation, pad_lo, pad_hi = (v[-rank:] for v in GEOMETRIES["s2d1"])
+            p = conv.ConvProblem(direction, n, g, g * cg, g * kg, in_size, filt, stride, dilation, pad_lo, pad_hi,
+                                 dtype, dtype, dtype)
+            td = TORCH_DTYPE[dtype]
+
+            def logical(shape, role):  # the frameworks' [N, C, sp...] / [K, C/G, f...] form, channels-last memory
+                if role == "w":
+                    lead, chan, sp = shape[0] * shape[1], shape[-1], shape[2:-1]
+                else:
+                    lead, chan, sp = shape[0], shape[-2] * shape[-1], shape[1:-2]
+                t = (torch.rand((lead, *sp, chan), generator=gen, device="cuda") - 0.5).to(td)
+                return t.permute(0, rank + 1, *range(1, rank + 1))
+
+            shapes = p.shapes()
+            x, w, y = (logical(shapes[r], r) for r in ("x", "w", "y"))
+            written = {"fwd": y, "bwd_data": x, "bwd_weight": w}[direction]
+            written.fill_(float("nan"))
+            entry = {"selection": True, "problem": str(p)}
+            try:
+                geo = dict(stride=stride, dilation=dilation, pad_lo=pad_lo, pad_hi=pad_hi, groups=g)
+                kern = reg.select(p)
+                entry["kernel"] = kern.name
+                if direction == "fwd":
+                    reg.conv_fwd(x, w, y, **geo)
+                elif direction == "bwd_data":
+                    reg.conv_bwd_data(y, w, x, **geo)
+                else:
+                    reg.conv_bwd_weight(x, y, w, **geo)
+                torch.cuda.synchronize()
+                ref = torch_reference(direction, x, w, y, stride, dilation, pad_lo, pad_hi, g)
+                out = written.float()
+                finite = bool(torch.isfinite(out).all())
+                err = float((out - ref).norm() / ref.norm()) if finite else float("inf")
+                tol = validation.tolerance(kern.key)
+                entry.update(rel_error=err, tolerance=tol, passed=finite and err <= tol)
+            except Exception as e:  # noqa: BLE001
+                entry.update(passed=False, error=str(e)[:400])
+            results.append(entry)
+            print(f"{'ok  ' if entry['passed'] else 'FAIL'} selected {entry.get('kernel', '-')[:90]} for "
+                  f"{kind} {p}: {entry.get('rel_error', entry.get('error'))}", flush=True)
+    return results
+
+
+def check_refusals(registries) -> list[dict]:
+    """implicit_gemm refuses channel counts that are not multiples of 8; nothing is launched."""
+    results = []
+    for reg in registries:
+        for kern in reg.kernels:
+            if kern.key.algorithm.pipeline != "implicit_gemm":
+                continue
+            sig = kern.key.signature
+            p = conv.ConvProblem(sig.direction, 1, 2, 12, 16, (9,) * sig.spatial_dims, (3,) * sig.spatial_dims, 1, 1,
+                                 1, 1, sig.dtype_a, sig.dtype_a, sig.dtype_a)
+            status, reason = kern.library.can_run(conv.make_args(p, kern.key))
+            ok = status == abi.UNSUPPORTED and "multiples of 8" in reason
+            results.append({"kernel": kern.name, "refusal": True, "passed": ok, "reason": reason})
+            if not ok:
+                print(f"FAIL refusal {kern.name}: {status} {reason}")
+    return results
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("bundles", nargs="+")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    registries = [load(b) for b in args.bundles]
+    rng = np.random.default_rng(2026)
+    t0 = time.time()
+    results = check_kernels(registries, {}, rng)
+    results += check_selection(registries)
+    results += check_refusals(registries)
+    failed = [r for r in results if not r["passed"]]
+    kernels = {r["kernel"] for r in results if "kernel" in r and not r.get("selection") and not r.get("refusal")}
+    summary = {"kernels": len(kernels), "cases": len(results), "failed": len(failed), "seconds": round(time.time() - t0, 1)}
+    print(f"conv validation: {summary}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine(), "summary": summary, "results": results}, f, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

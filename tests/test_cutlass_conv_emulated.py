@@ -1,0 +1,99 @@
+"""cutlass conv kernels without a GPU: each template rendered, compiled by g++ against tests/emulate/td_emulate.h
+(GPU threads as OS threads) and run through the C ABI against the float64 reference, every direction and
+rank, small tiles so that problems span several blocks, partial lane blocks and partial GEMM tiles. This
+checks the kernels' index arithmetic and host checks; bench/validate_conv_gpu.py checks them on the GPU.
+Skipped without g++ or the CUDA headers (cuda_fp16.h)."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+import conv_emulation as ce
+from tiledispatch import abi
+from tiledispatch.ops import conv
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None or ce.cuda_include() is None,
+                                reason="g++ or the CUDA headers (cuda_fp16.h) missing")
+
+DIRECTIONS = ("fwd", "bwd_data", "bwd_weight")
+DIRECT_TILE = {1: (32, 16, 1), 2: (8, 16, 4), 3: (8, 16, 2)}
+
+
+def direct(direction, rank, vl=4, cpg=0, kpg=0, dtype="fp16"):
+    mm = 2 if direction == "bwd_weight" else 4
+    return ce.conv_key(direction, rank, "direct", DIRECT_TILE[rank], (mm, vl, 1), (2, 1, 1), dtype, cpg, kpg)
+
+
+def igemm(direction, rank, dtype="fp16"):
+    return ce.conv_key(direction, rank, "implicit_gemm", (32, 32, 32), (16, 8, 16), (2, 1, 1), dtype, stages=3)
+
+
+# (key, kinds, geometries): every direction and rank, both pipelines, the specializations and the generic path
+CASES = []
+for d in DIRECTIONS:
+    for r in (1, 2, 3):
+        geos = ("s1d1", "s2d2") if r != 2 else tuple(ce.GEOMETRIES)
+        CASES.append((direct(d, r), ("g4", "odd"), geos))
+        CASES.append((direct(d, r, vl=8, cpg=1, kpg=1, dtype="bf16" if r == 2 else "fp16"), ("depthwise",), geos))
+        CASES.append((igemm(d, r, dtype="bf16" if r == 3 else "fp16"), ("dense", "g16"), geos))
+    CASES.append((direct(d, 2, cpg=4, kpg=4), ("g4",), ("s1d1", "s2d1")))
+
+
+@pytest.fixture(scope="module")
+def libs(tmp_path_factory):
+    return {}, tmp_path_factory.mktemp("emulated")
+
+
+@pytest.mark.parametrize("key,kinds,geos", CASES, ids=lambda v: v.name[:44] if hasattr(v, "name") else None)
+def test_matches_reference(libs, key, kinds, geos):
+    cache, tmp = libs
+    lib = cache.setdefault(key.name, ce.build(key, tmp))
+    sig = key.signature
+    failures = []
+    for i, (kind, geo) in enumerate((k, g) for k in kinds for g in geos):
+        res = ce.check(lib, key, sig.direction, sig.spatial_dims, kind, geo, seed=i)
+        if not res["passed"]:
+            failures.append(f"{kind} {geo}: {res}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_alpha_beta(libs, direction):
+    import numpy as np
+
+    from tiledispatch import validation
+
+    cache, tmp = libs
+    key = direct(direction, 2)
+    lib = cache.setdefault(key.name, ce.build(key, tmp))
+    rng = np.random.default_rng(3)
+    p, data, expect = ce.case(rng, direction, 2, "g4", "s2d1")
+    written = conv.WRITES[direction]
+    data[written][...] = validation.random_array(rng, data[written].shape, "fp16")
+    old = data[written].astype(np.float64)
+    status, reason, out = ce.run(lib, key, p, data, alpha=0.75, beta=-1.25)
+    assert status == abi.OK, reason
+    assert validation.compare(out, 0.75 * expect - 1.25 * old, key)["passed"]
+
+
+def test_refusals(libs):
+    """Specialized and implicit-GEMM kernels refuse what they cannot run, with a reason; nothing runs."""
+    cache, tmp = libs
+    spec = direct("fwd", 2, cpg=4, kpg=4)
+    lib = cache.setdefault(spec.name, ce.build(spec, tmp))
+    p = conv.ConvProblem("fwd", 1, 2, 6, 8, (9, 9), (3, 3), 1, 1, 1, 1, "fp16", "fp16", "fp16")
+    status, reason = lib.can_run(conv.make_args(p, spec))
+    assert status == abi.UNSUPPORTED and "specialized for C/G = 4" in reason
+    ig = igemm("fwd", 2)
+    lib = cache.setdefault(ig.name, ce.build(ig, tmp))
+    status, reason = lib.can_run(conv.make_args(p, ig))
+    assert status == abi.UNSUPPORTED and "multiples of 8" in reason
+    assert lib.workspace_bytes(conv.make_args(p, ig)) == 0
+    wg = igemm("bwd_weight", 2)
+    lib = cache.setdefault(wg.name, ce.build(wg, tmp))
+    pw = conv.ConvProblem("bwd_weight", 1, 2, 16, 16, (9, 9), (3, 3), 1, 1, 1, 1, "fp16", "fp16", "fp16")
+    args = conv.make_args(pw, wg)
+    assert lib.workspace_bytes(args) >= 2 * 8 * 9 * 8 * 4
+    status, reason = lib.run(args)  # no workspace given
+    assert status == abi.INVALID_ARGUMENT and "workspace" in reason
