@@ -4,8 +4,9 @@
 #   CK Tile headers              amd-aiter wheel, aiter_meta/3rdparty/composable_kernel/include
 #   HIP 7.1 headers              triton wheel, triton/backends/amd/include
 #   clang 22 (for gfx950)        ziglang wheel (`zig clang`)
-# Idempotent: each piece is skipped when already there. Wheels and unpacked folders go to
-# $TD_CK_CHECK_DIR (default ~/.cache/tiledispatch/ck_check), never into the repository.
+# Idempotent: each piece is skipped when already there. Everything goes to $TD_CK_CHECK_DIR (default
+# ~/.cache/tiledispatch/ck_check, about 200 MB: cache it in CI), never into the repository. The wheels
+# (430 MB) are deleted once unpacked unless TD_CK_KEEP_WHEELS=1.
 # Prints the environment variables that backends/ck_tile.check_toolchain() reads.
 set -euo pipefail
 
@@ -21,7 +22,7 @@ if ! command -v clang-19 >/dev/null || [ ! -e /usr/include/hip/hip_runtime.h ]; 
   $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends clang-19 libamdhip64-dev
 fi
 
-# unpack <wheel glob> <folder inside the wheel> <destination>: only that folder, then a stamp
+# unpack <wheel glob> <folder or file inside the wheel> <destination>: only that part, then a stamp
 unpack() {
   local pattern="$1" inner="$2" dest="$3"
   [ -f "$dest/.unpacked" ] && return 0
@@ -34,13 +35,15 @@ import sys, zipfile, os
 wheel, inner, dest = sys.argv[1:]
 with zipfile.ZipFile(wheel) as z:
     for info in z.infolist():
-        if info.filename.startswith(inner + "/") and not info.is_dir():
+        if (info.filename == inner or info.filename.startswith(inner + "/")) and not info.is_dir():
             z.extract(info, dest)
             mode = info.external_attr >> 16
             if mode & 0o111:
                 os.chmod(os.path.join(dest, info.filename), 0o755)
 PY
-  rm -rf "$dest" && mv "$dest.tmp/$inner" "$dest" && rm -rf "$dest.tmp"
+  rm -rf "$dest"
+  if [ -d "$dest.tmp/$inner" ]; then mv "$dest.tmp/$inner" "$dest"; else mkdir -p "$dest" && mv "$dest.tmp/$inner" "$dest/"; fi
+  rm -rf "$dest.tmp"
   touch "$dest/.unpacked"
 }
 
@@ -54,7 +57,8 @@ if [ "$need_download" = 1 ]; then
 fi
 unpack "amd_aiter-*.whl" aiter_meta/3rdparty/composable_kernel/include "$DIR/ck"
 unpack "triton-*.whl" triton/backends/amd/include "$DIR/triton_hip"
-unpack "ziglang-*.whl" ziglang "$DIR/zig"
+unpack "ziglang-*.whl" ziglang/zig "$DIR/zig"     # the driver alone: zig's own lib/ is not needed here
+[ "${TD_CK_KEEP_WHEELS:-0}" = 1 ] || rm -rf "$DIR/wheels"
 # a small record of what was unpacked: it enters the check's toolchain identity
 printf 'amd-aiter==%s\ntriton==%s\nziglang==%s\n' "$AITER_WHEEL_VERSION" "$TRITON_WHEEL_VERSION" "$ZIG_WHEEL_VERSION" \
   > "$DIR/versions.txt"
