@@ -8,7 +8,7 @@ full checks again, so the fast path can never run a kernel on arguments it did n
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -39,16 +39,26 @@ def fingerprint(obj: Any) -> tuple[int, tuple]:
 
 def current_stream(obj: Any):
     """The current CUDA/HIP stream of the framework that owns obj (None: the default stream)."""
+    return stream_getter(obj)()
+
+
+def stream_getter(obj: Any) -> Callable[[], Any]:
+    """A cheap function returning the current stream of obj's framework on obj's device, looked up at
+    each launch (the caller may switch streams between launches)."""
     module = type(obj).__module__
     if module.startswith("torch"):
         import torch
 
-        return torch.cuda.current_stream(obj.device).cuda_stream or None
+        index = obj.device.index if obj.device.index is not None else torch.cuda.current_device()
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # an int, without a Stream object
+        if raw is not None:
+            return lambda: raw(index) or None
+        return lambda: torch.cuda.current_stream(index).cuda_stream or None
     if module.startswith("cupy"):
         import cupy
 
-        return cupy.cuda.get_current_stream().ptr or None
-    return None
+        return lambda: cupy.cuda.get_current_stream().ptr or None
+    return lambda: None
 
 
 class Plan:
@@ -74,10 +84,14 @@ class Plan:
             prints = [fingerprint(t) for t in self._ops.tensors_in_slot_order(tensors)]
         if self._args is None or tuple(p[1] for p in prints) != self._prints:
             self._prepare(tensors, prints)
+        self.launch(prints)
+
+    def launch(self, prints: list) -> None:
+        """The fast path: tensors whose fingerprints equal the validated ones (the caller checked)."""
         for slot, (ptr, _) in zip(self._slot_structs, prints):
             slot.data = ptr
-        if self._follow_stream:
-            self._args.stream = current_stream(self._first)
+        if self._stream_of is not None:
+            self._args.stream = self._stream_of()
         status = self._run(self._args_ref, self._reason, 512)
         if status != abi.OK:
             self._raise(status)
@@ -87,8 +101,8 @@ class Plan:
         args = bind(self.registry, self.problem, self.kernel, operands, stream=self.stream,
                     num_threads=self.num_threads, **self.scalars)
         # no explicit stream: launch on the current stream of the caller's framework, looked up per call
-        self._follow_stream = self.stream is None and self.registry.device != "cpu"
-        self._first = next(v.obj for v in operands.all())
+        follow = self.stream is None and self.registry.device != "cpu"
+        self._stream_of = stream_getter(next(v.obj for v in operands.all())) if follow else None
         status, why = self.kernel.library.can_run(args)
         if status != abi.OK:
             self._args = None

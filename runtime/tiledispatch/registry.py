@@ -11,6 +11,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Callable, Optional, Union
 
+import numpy as np
+
 from . import abi, bundle, selection
 from .backends import get as get_backend
 from .plan import Plan, bind, fingerprint, raise_for_status
@@ -20,6 +22,7 @@ from .spec.key import KernelKey
 
 
 PLAN_CACHE_SIZE = 64
+NO_CLAMP = (float("-inf"), float("inf"))
 
 
 class Kernel:
@@ -125,36 +128,57 @@ class Registry:
                     **scalars)
 
     def gemm(self, a, b, out=None, *, c=None, bias=None, residuals=(), alpha: float = 1.0, beta: float = 0.0,
-             activation: str = "identity", clamp=(float("-inf"), float("inf")), kernel=None, stream=None,
-             num_threads: int = 0):
+             activation: str = "identity", clamp=NO_CLAMP, kernel=None, stream=None, num_threads: int = 0):
         """out = act(alpha * a @ b + beta * c + bias + sum(residuals)); returns out (allocated if None).
 
-        Repeated calls with the same shapes, strides, dtypes and options reuse a cached Plan."""
+        A call with out given whose tensors and options match an earlier call's (shapes, strides,
+        dtypes, devices, alignment) reuses that call's validated Plan and only swaps pointers."""
+        clamp = clamp if type(clamp) is tuple else tuple(clamp)
+        if out is not None:
+            prints = [fingerprint(a), fingerprint(b), fingerprint(c), fingerprint(out), fingerprint(bias)]
+            if residuals:
+                prints += [fingerprint(r) for r in residuals]
+            cache_key = (activation, alpha, beta, clamp, getattr(kernel, "name", kernel), stream, num_threads,
+                         *[p[1] for p in prints])
+            plan = self._plans.get(cache_key)
+            if plan is not None:
+                plan.launch(prints)
+                return out
         from .ops import gemm as gemm_op
 
         if beta != 0 and c is None:
             raise InvalidInputError("beta != 0 needs c")
-        tensors = {"a": a, "b": b, "out": out, "c": c, "bias": bias, "residuals": tuple(residuals)}
-        options = (activation, alpha, beta, tuple(clamp), getattr(kernel, "name", kernel), stream, num_threads)
-        if out is not None:
-            prints = [fingerprint(t) for t in gemm_op.tensors_in_slot_order(tensors)]
-            cache_key = (options, tuple(p[1] for p in prints))
-            plan = self._plans.get(cache_key)
-            if plan is not None:
-                plan(tensors, prints)
-                return out
+        if self.device != "cpu" and type(a) is np.ndarray:
+            return self._gemm_from_host(a, b, out, c=c, bias=bias, residuals=residuals, alpha=alpha, beta=beta,
+                                        activation=activation, clamp=clamp, kernel=kernel, num_threads=num_threads)
         problem, operands = gemm_op.operands(a, b, out, c, bias, residuals, activation)
-        tensors["out"] = operands.out
         self._check_device(operands)
         chosen = self.kernel(kernel) if isinstance(kernel, str) else (kernel or self.select(problem, operands=operands))
         plan = Plan(self, problem, chosen, stream=stream, num_threads=num_threads, alpha=alpha, beta=beta,
-                    clamp=tuple(clamp))
-        plan(tensors)
+                    clamp=clamp)
+        plan({"a": a, "b": b, "out": operands.out, "c": c, "bias": bias, "residuals": tuple(residuals)})
         if out is not None:
             self._plans[cache_key] = plan
             while len(self._plans) > PLAN_CACHE_SIZE:
                 self._plans.pop(next(iter(self._plans)))
         return operands.out
+
+    def _gemm_from_host(self, a, b, out, *, c, bias, residuals, **options):
+        """numpy arrays on a GPU bundle: explicit copies to the device, one launch on the default stream,
+        a wait, and the result copied back into the numpy output."""
+        from . import cuda
+        from .ops import gemm as gemm_op
+
+        host = [x for x in (a, b, out, c, bias, *residuals) if x is not None]
+        if any(type(x) is not np.ndarray for x in host):
+            raise InvalidInputError("mix of numpy and device arrays: pass all numpy or all device arrays")
+        _, ops = gemm_op.operands(a, b, out, c, bias, residuals, options["activation"])  # checks, allocates out
+        dev = {id(x): cuda.DeviceArray(x) for x in (a, b, c, bias, *residuals) if x is not None}
+        dev_out = dev.get(id(ops.out)) or cuda.DeviceArray(ops.out, copy=False)
+        self.gemm(dev[id(a)], dev[id(b)], dev_out, c=dev.get(id(c)), bias=dev.get(id(bias)),
+                  residuals=tuple(dev[id(r)] for r in residuals), stream=0, **options)
+        cuda.synchronize(0)
+        return dev_out.to_host(out=ops.out)
 
     def conv_fwd(self, x, w, out=None, **options):
         """y = alpha * conv(x, w) + beta * out (grouped, 1-3D); options: see ops.conv.operands and fwd."""
