@@ -85,6 +85,21 @@ def time_batch(fn, batch: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def time_single(fn, repeats: int = 30) -> float:
+    """Median milliseconds of single calls, each bracketed by CUDA events on an idle GPU (launch latency and
+    host overhead included: the anchors' method)."""
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
 def cudnn_call(p: conv.ConvProblem, x, w, y):
     rank = len(x.shape) - 2
     stride, pad, dil = (list(v) for v in (p.stride, p.pad_lo, p.dilation))
@@ -121,6 +136,7 @@ def bench_case(case, direction, registries, batch, repeats, gen) -> dict:
         call()
     torch.cuda.synchronize()
     entry["cudnn_ms"] = time_batch(call, batch, repeats)
+    entry["cudnn_single_ms"] = time_single(call)
     ref = cudnn_result(p, x, w, y).float()
     # ours: every kernel that can run it
     ox, ow, oy = ours_operands(p, x, w, y)
@@ -142,6 +158,9 @@ def bench_case(case, direction, registries, batch, repeats, gen) -> dict:
     entry["ours"] = runs
     if runs:
         best = min(runs, key=lambda r: r["ms"])
+        launch = ConvLauncher(next(k for k in kernels if k.name == best["kernel"]), p, ox, ow, oy)
+        entry["best_single_ms"] = time_single(launch)
+        entry["speedup_best_single"] = entry["cudnn_single_ms"] / entry["best_single_ms"]
         fits = [k for k in kernels if k.name in {r["kernel"] for r in runs}]
         chosen = analytic(p, fits)[0].name
         sel = next(r for r in runs if r["kernel"] == chosen)
@@ -149,6 +168,12 @@ def bench_case(case, direction, registries, batch, repeats, gen) -> dict:
                      selected_kernel=chosen, selected_ms=sel["ms"], speedup_best=entry["cudnn_ms"] / best["ms"],
                      speedup_selected=entry["cudnn_ms"] / sel["ms"])
     return entry
+
+
+def short(name: str) -> str:
+    """tile, warps, mma, pipeline and extras of a kernel name."""
+    tokens = name.split("_")
+    return "_".join(t for t in tokens[6:] if t[0] in "twipx" and not t.startswith("x") or t.startswith("x"))
 
 
 def plot(results, path):
@@ -196,20 +221,22 @@ def main() -> int:
             if "best_ms" in r:
                 print(f"{r['case']:18s} {direction:10s} cuDNN {r['cudnn_ms'] * 1e3:8.1f} us {tf(r['cudnn_ms']):6.1f} TF "
                       f"{gb(r['cudnn_ms']):6.0f} GB/s | ours {r['best_ms'] * 1e3:8.1f} us {tf(r['best_ms']):6.1f} TF "
-                      f"{gb(r['best_ms']):6.0f} GB/s x{r['speedup_best']:.2f} (selected x{r['speedup_selected']:.2f}) "
-                      f"err {r['best_rel_error']:.1e} {r['best_kernel'][:40]}...{r['best_kernel'][-45:]}", flush=True)
+                      f"{gb(r['best_ms']):6.0f} GB/s x{r['speedup_best']:.2f} (selected x{r['speedup_selected']:.2f}, "
+                      f"single calls {r['cudnn_single_ms'] * 1e3:.0f}/{r['best_single_ms'] * 1e3:.0f} us x{r['speedup_best_single']:.2f}) "
+                      f"err {r['best_rel_error']:.1e} {short(r['best_kernel'])}", flush=True)
             else:
                 print(f"{r['case']:18s} {direction:10s} cuDNN {r['cudnn_ms'] * 1e3:8.1f} us | ours: no kernel", flush=True)
     summary = {}
     for label, pick in (("dense", lambda r: r["case"].startswith(("resnet", "video", "conv1d")) and "depthwise" not in r["case"]),
                         ("grouped_depthwise", lambda r: not (r["case"].startswith(("resnet", "video")) or r["case"] == "conv1d"))):
         for direction in DIRECTIONS:
-            sp = [r["speedup_best"] for r in results if pick(r) and r["direction"] == direction and "speedup_best" in r]
-            if sp:
-                summary[f"{label}_{direction}_geomean"] = math.exp(sum(map(math.log, sp)) / len(sp))
+            for field, tag in (("speedup_best", ""), ("speedup_selected", "_selected"), ("speedup_best_single", "_single")):
+                sp = [r[field] for r in results if pick(r) and r["direction"] == direction and field in r]
+                if sp:
+                    summary[f"{label}_{direction}_geomean{tag}"] = math.exp(sum(map(math.log, sp)) / len(sp))
     print(json.dumps(summary, indent=1))
-    out = {"machine": machine(), "dtype": DTYPE, "timing": f"median of {repeats} batches of {batch} back-to-back calls, "
-           "CUDA events", "seconds": round(time.time() - t0, 1), "summary": summary, "results": results}
+    out = {"machine": machine(), "dtype": DTYPE, "timing": f"ms / speedup: median of {repeats} batches of {batch} "
+           "back-to-back calls, CUDA events; *_single_ms: median of 30 single calls on an idle GPU, CUDA events", "seconds": round(time.time() - t0, 1), "summary": summary, "results": results}
     with open(args.out + ".json", "w") as f:
         json.dump(out, f, indent=1)
     plot(results, args.out + ".png")

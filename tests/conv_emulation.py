@@ -42,13 +42,19 @@ def conv_key(direction, rank, pipeline, tile, mma, warps, dtype="fp16", cpg=0, k
                                extras), "cutlass", "sm90a")
 
 
-def build(key: KernelKey, out_dir: Path) -> abi.KernelLibrary:
-    """The key's kernel as an emulated (host) shared library."""
+def build(key: KernelKey, out_dir: Path, smem_limit: int | None = None) -> abi.KernelLibrary:
+    """The key's kernel as an emulated (host) shared library; smem_limit overrides the arch's shared memory
+    (small values force the kernels' fallbacks: one halo buffer, one halo plane at a time)."""
     src = codegen.render(key)
     src = _LAUNCH.sub(lambda m: f"td_emu::launch({m.group(1)}, {m.group(2)}, ", src)
-    path = out_dir / f"{key.name}.cpp"
+    suffix = ""
+    if smem_limit:
+        src, count = re.subn(r"constexpr int SMEM_LIMIT = \d+;", f"constexpr int SMEM_LIMIT = {smem_limit};", src)
+        assert count == 1
+        suffix = f"_smem{smem_limit}"
+    path = out_dir / f"{key.name}{suffix}.cpp"
     path.write_text(src)
-    lib = out_dir / f"{key.name}.so"
+    lib = out_dir / f"{key.name}{suffix}.so"
     cmd = ["g++", "-std=c++20", "-O1", "-DTD_EMULATE", "-include", "td_emulate.h", f"-I{HERE / 'emulate'}",
            f"-I{abi.INCLUDE_DIR}", f"-I{cuda_include()}", "-w", "-shared", "-fPIC", "-pthread", str(path), "-o", str(lib)]
     proc = subprocess.run(cmd, capture_output=True, text=True)

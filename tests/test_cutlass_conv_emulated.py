@@ -97,3 +97,19 @@ def test_refusals(libs):
     assert lib.workspace_bytes(args) >= 2 * 8 * 9 * 8 * 4
     status, reason = lib.run(args)  # no workspace given
     assert status == abi.INVALID_ARGUMENT and "workspace" in reason
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("smem_limit", (9000, 20000), ids=("one_plane", "one_buffer"))
+def test_shared_memory_fallbacks(libs, direction, smem_limit):
+    """3D halos that do not fit twice (one buffer) or at all (one depth plane at a time) still compute right."""
+    cache, tmp = libs
+    key = direct(direction, 3)
+    name = f"{key.name}_{smem_limit}"
+    lib = cache.setdefault(name, ce.build(key, tmp, smem_limit=smem_limit))
+    failures = []
+    for i, (kind, geo) in enumerate((k, g) for k in ("g4", "depthwise") for g in ("s1d1", "s2d2", "s1d2")):
+        res = ce.check(lib, key, direction, 3, kind, geo, seed=i)
+        if not res["passed"]:
+            failures.append(f"{kind} {geo}: {res}")
+    assert not failures, "\n".join(failures)
