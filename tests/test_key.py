@@ -81,3 +81,15 @@ def test_bad_triples_and_schema_are_errors():
 def test_parse_rejects_non_names(name):
     with pytest.raises(ValueError):
         parse_kernel_name(name)
+
+
+def test_an_extra_at_its_default_is_the_same_kernel():
+    from tiledispatch.spec import rules
+
+    extras = rules.backend_rules("ck_tile")["extras"]
+    name, spec = next((n, s) for n, s in extras.items() if "default" in s)
+    base = KernelKey(gemm_key().signature, Algorithm((256, 256, 32), "compv3", warps=(2, 2, 1), mma=(32, 32, 16),
+                                                     scheduler="intrawave"), "ck_tile", "gfx942")
+    spelled = base.replace(algorithm=Algorithm((256, 256, 32), "compv3", warps=(2, 2, 1), mma=(32, 32, 16),
+                                               scheduler="intrawave", extras=((f"ck_tile.{name}", spec["default"]),)))
+    assert spelled == base and spelled.name == base.name

@@ -165,6 +165,15 @@ class KernelKey:
         for name, _ in self.algorithm.extras:
             if name.split(".")[0] != self.backend:
                 raise ValueError(f"extras: {name} belongs to another backend than {self.backend}")
+        # an extra spelled out at its default is the same kernel as the extra omitted: one key, one name
+        from . import rules
+
+        declared = rules.all_rules().get(self.backend, {}).get("extras") or {}
+        kept = tuple((n, v) for n, v in self.algorithm.extras
+                     if "default" not in declared.get(n.split(".", 1)[1], {})
+                     or declared[n.split(".", 1)[1]]["default"] != v)
+        if kept != self.algorithm.extras:
+            object.__setattr__(self, "algorithm", replace(self.algorithm, extras=kept))
 
     @property
     def name(self) -> str:
