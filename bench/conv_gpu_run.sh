@@ -8,10 +8,12 @@ source bench/gpu_env.sh
 td_setup || exit 1
 td_build conv_fp16_all_essential sm90a 240 conv_fp16
 td_build bench/conv_cutlass_bf16.yaml sm90a 120 conv_bf16
-cp /tmp/build_conv_fp16.log /tmp/build_conv_bf16.log "$OUT"/ 2>/dev/null
-python3 bench/validate_conv_gpu.py "$TD_BUILD/conv_fp16" "$TD_BUILD/conv_bf16" --json "$OUT/conv_validate.json" \
-  > "$OUT/validate.log" 2>&1
+td_build bench/conv_cutlass_explore.yaml sm90a 120 conv_explore
+cat /tmp/build_conv_*.log > "$OUT/build.log" 2>/dev/null
+python3 bench/validate_conv_gpu.py "$TD_BUILD/conv_fp16" "$TD_BUILD/conv_bf16" "$TD_BUILD/conv_explore" \
+  --json "$OUT/conv_validate.json" > "$OUT/validate.log" 2>&1
 echo "validate rc $?"
 grep -E "FAIL|Traceback|Error" "$OUT/validate.log" | head -40
 tail -3 "$OUT/validate.log"
-python3 bench/conv.py "$TD_BUILD/conv_fp16" --out "$OUT/conv_h100" ${1:+--quick} 2>&1 | tee "$OUT/bench.log"
+python3 bench/conv.py "$TD_BUILD/conv_fp16" "$TD_BUILD/conv_explore" --out "$OUT/conv_h100" ${1:+--quick} 2>&1 \
+  | tee "$OUT/bench.log"
