@@ -1,0 +1,74 @@
+"""cutlass conv kernels, compile only (no GPU): one direct and one implicit-GEMM kernel through nvcc for sm90a
+(a few seconds each: no CUTLASS headers involved), then their host code (key export, argument checks,
+workspace size) without a device. Skipped unless the cutlass toolchain (nvcc + headers) is present."""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from tiledispatch import abi, backends, codegen
+from tiledispatch.ops import conv
+from tiledispatch.spec.key import Algorithm, Epilogue, KernelKey, Signature
+
+cutlass = backends.get("cutlass")
+try:
+    TOOLCHAIN = cutlass.toolchain()
+except RuntimeError as e:  # no nvcc or no headers
+    TOOLCHAIN, WHY = None, str(e)
+
+pytestmark = pytest.mark.skipif(TOOLCHAIN is None, reason=f"cutlass toolchain missing: {WHY if TOOLCHAIN is None else ''}")
+
+DIRECT = KernelKey(Signature("conv", "fp16", "fp16", "fp16", "fp32", "nhwgc", Epilogue(), "fwd", 2),
+                   Algorithm((16, 64, 8), "direct", (8, 1, 1), (4, 8, 1), "data_parallel", 1, (1, 1, 1), 0,
+                             (("cutlass.cpg", 1), ("cutlass.kpg", 1))), "cutlass", "sm90a")
+IGEMM = KernelKey(Signature("conv", "bf16", "bf16", "bf16", "fp32", "nhwgc", Epilogue(), "bwd_weight", 3),
+                  Algorithm((64, 128, 32), "implicit_gemm", (2, 2, 1), (16, 8, 16), "data_parallel", 1, (1, 1, 1), 0),
+                  "cutlass", "sm90a")
+
+
+@pytest.fixture(scope="module")
+def libraries(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cutlass_conv_compile")
+    procs = {}
+    for key in (DIRECT, IGEMM):
+        src = out / codegen.source_name(key)
+        src.write_text(codegen.render(key))
+        lib = out / f"{key.name}.so"
+        cmd = cutlass.compile_command(key, TOOLCHAIN, str(src), str(lib), [str(abi.INCLUDE_DIR)])
+        procs[key] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), lib)
+    libs = {}
+    for key, (proc, lib) in procs.items():
+        log, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"nvcc failed for {key.name}:\n{log[-8000:]}"
+        libs[key] = abi.KernelLibrary(lib)
+    return libs
+
+
+@pytest.mark.parametrize("key", [DIRECT, IGEMM], ids=["direct", "implicit_gemm"])
+def test_compiles_and_reports_its_key(libraries, key):
+    lib = libraries[key]
+    assert lib.abi_version() == abi.ABI_VERSION
+    assert KernelKey.from_json(lib.key_json()) == key
+
+
+def test_host_checks_without_a_device(libraries):
+    lib = libraries[DIRECT]
+    dw = conv.ConvProblem("fwd", 32, 128, 128, 128, (56, 56), (3, 3), 1, 1, 1, 1, "fp16", "fp16", "fp16")
+    assert lib.can_run(conv.make_args(dw, DIRECT)) == (abi.OK, "")
+    assert lib.workspace_bytes(conv.make_args(dw, DIRECT)) == 0
+    grouped = conv.ConvProblem("fwd", 32, 32, 128, 128, (56, 56), (3, 3), 1, 1, 1, 1, "fp16", "fp16", "fp16")
+    status, reason = lib.can_run(conv.make_args(grouped, DIRECT))
+    assert status == abi.UNSUPPORTED and "specialized" in reason
+    args = conv.make_args(dw, DIRECT)
+    args.params[0] = 3
+    status, reason = lib.can_run(args)
+    assert status == abi.UNSUPPORTED and "2D convolution" in reason
+
+    lib = libraries[IGEMM]
+    video = conv.ConvProblem("bwd_weight", 8, 1, 64, 64, (16, 56, 56), (3, 3, 3), 1, 1, 1, 1, "bf16", "bf16", "bf16")
+    args = conv.make_args(video, IGEMM)
+    assert lib.can_run(args) == (abi.OK, "")
+    assert lib.workspace_bytes(args) >= 64 * 27 * 64 * 4  # fp32 sums of dW
+    status, reason = lib.run(args)  # refused before any launch: no workspace given
+    assert status == abi.INVALID_ARGUMENT and "workspace" in reason
