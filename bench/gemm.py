@@ -129,6 +129,21 @@ def bench_shape(reg: Registry, m, n, k, dtype, gen, stream, explore: int = 3) ->
     return row
 
 
+def per_call_us(fn, n_calls: int = 3000) -> float:
+    """Host microseconds per call of fn: median of 5 timed loops after a warm-up, device synchronized."""
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n_calls):
+            fn()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - t0) / n_calls * 1e6)
+    return statistics.median(samples)
+
+
 def host_overhead(reg: Registry, gen, stream, n_calls: int = 3000) -> dict:
     """Host microseconds per call at 128^3 fp16 (the GPU finishes each call faster than the host
     issues the next, so this is issue time)."""
@@ -141,17 +156,7 @@ def host_overhead(reg: Registry, gen, stream, n_calls: int = 3000) -> dict:
     args = launcher.args(problem, ops, stream)
 
     def per_call(fn) -> float:
-        for _ in range(50):
-            fn()
-        torch.cuda.synchronize()
-        samples = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(n_calls):
-                fn()
-            torch.cuda.synchronize()
-            samples.append((time.perf_counter() - t0) / n_calls * 1e6)
-        return statistics.median(samples)
+        return per_call_us(fn, n_calls)
 
     out = {"shape": [m, n, k], "kernel": kern.name,
            "raw_c_call_us": per_call(lambda: kern.library.run(args)),
