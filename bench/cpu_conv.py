@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -23,8 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "runtime"))
 
 import tiledispatch as td  # noqa: E402
+from _cpu_common import machine, median_ms  # noqa: E402
 from tiledispatch import reference, validation  # noqa: E402
-from tiledispatch.backends import cpu  # noqa: E402
 from tiledispatch.ops import conv  # noqa: E402
 
 SET = "conv_fp16_all_essential"
@@ -41,22 +38,8 @@ LAYERS = {
 DIRECTIONS = ("fwd", "bwd_data", "bwd_weight")
 
 
-def median_ms(fn, repeat: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
-def machine() -> dict:
-    model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    return {"cpu": model, "cores": os.cpu_count(), "arch": cpu.detect_arch(), "python": platform.python_version(),
-            "numpy": np.__version__, "compiler": cpu.toolchain().identity,
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "load_average": os.getloadavg()}
 
 
 def build(build_dir: Path) -> Path:

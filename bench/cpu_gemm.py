@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -24,37 +21,17 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "runtime"))
 
 import tiledispatch as td  # noqa: E402
+from _cpu_common import machine, median_ms  # noqa: E402
 from tiledispatch import validation  # noqa: E402
 from tiledispatch.ops import gemm as gemm_op  # noqa: E402
-from tiledispatch.backends import cpu  # noqa: E402
 from tiledispatch.spec.dtypes import numpy_dtype  # noqa: E402
 
 SETS = ("fp32_rcr_essential", "fp16_rcr_essential", "bf16_rcr_essential")
 NUMPY_FP16_MAX = 1024  # numpy fp16 matmul runs at ~0.5 GFLOP/s: larger sizes take minutes
 
 
-def median_ms(fn, repeat: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
-def machine() -> dict:
-    model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    blas = {}
-    try:
-        cfg = np.show_config(mode="dicts")
-        blas = {"name": cfg["Build Dependencies"]["blas"]["name"], "version": cfg["Build Dependencies"]["blas"]["version"]}
-    except Exception:  # older numpy
-        pass
-    return {"cpu": model, "cores": os.cpu_count(), "arch": cpu.detect_arch(), "python": platform.python_version(),
-            "numpy": np.__version__, "blas": blas, "compiler": cpu.toolchain().identity,
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
 
 
 def build(build_dir: Path) -> Path:

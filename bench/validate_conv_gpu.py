@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from _conv_common import TORCH_DTYPE, ConvLauncher, kind_of, machine
-from tiledispatch import abi, load, reference, validation
+from tiledispatch import abi, load, validation
 from tiledispatch.ops import conv
 
 # (G, C/G, K/G): a partial lane block, partial GEMM tiles
@@ -43,15 +43,7 @@ def make_case(rng, direction, rank, kind, geometry, dtype):
     stride, dilation, pad_lo, pad_hi = (v[-rank:] for v in GEOMETRIES[geometry])
     p = conv.ConvProblem(direction, n, g, g * cg, g * kg, in_size, filt, stride, dilation, pad_lo, pad_hi,
                          dtype, dtype, dtype)
-    shapes = p.shapes()
-    host = {role: validation.random_array(rng, shapes[role], dtype) for role in ("x", "w", "y")}
-    geo = (p.stride, p.dilation, p.pad_lo, p.pad_hi)
-    if direction == "fwd":
-        expect = reference.conv_fwd(host["x"], host["w"], *geo)
-    elif direction == "bwd_data":
-        expect = reference.conv_bwd_data(host["y"], host["w"], p.in_size, *geo)
-    else:
-        expect = reference.conv_bwd_weight(host["x"], host["y"], p.filter_size, *geo)
+    host, expect = validation.conv_case(p, rng)
     return p, host, expect
 
 

@@ -19,7 +19,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "runtime"))
 
-from tiledispatch import abi, codegen, reference, validation  # noqa: E402
+from tiledispatch import abi, codegen, validation  # noqa: E402
 from tiledispatch.ops import conv  # noqa: E402
 from tiledispatch.spec.key import Algorithm, Epilogue, KernelKey, Signature  # noqa: E402
 
@@ -82,17 +82,7 @@ def case(rng, direction, rank, kind, geometry, dtype="fp16"):
     stride, dilation, pad_lo, pad_hi = (v[-rank:] for v in GEOMETRIES[geometry])
     p = conv.ConvProblem(direction, n, g, g * cg, g * kg, in_size, filt, stride, dilation, pad_lo, pad_hi,
                          dtype, dtype, dtype)
-    shapes = p.shapes()
-    data = {role: validation.random_array(rng, shapes[role], dtype) for role in ("x", "w", "y")}
-    written = conv.WRITES[direction]
-    validation.poison(data[written])
-    geo = (p.stride, p.dilation, p.pad_lo, p.pad_hi)
-    if direction == "fwd":
-        expect = reference.conv_fwd(data["x"], data["w"], *geo)
-    elif direction == "bwd_data":
-        expect = reference.conv_bwd_data(data["y"], data["w"], p.in_size, *geo)
-    else:
-        expect = reference.conv_bwd_weight(data["x"], data["y"], p.filter_size, *geo)
+    data, expect = validation.conv_case(p, rng)
     return p, data, expect
 
 

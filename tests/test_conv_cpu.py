@@ -16,7 +16,7 @@ import pytest
 
 import tiledispatch as td
 from conftest import REPO, scons
-from tiledispatch import reference, validation
+from tiledispatch import validation
 from tiledispatch.backends import cpu
 from tiledispatch.errors import InvalidInputError, UnsupportedProblemError
 from tiledispatch.ops import conv
@@ -77,17 +77,7 @@ def make_case(rng, direction, rank, kind, geometry, dtype, n_scale=1):
     stride, dilation, pad_lo, pad_hi = (v[:rank] for v in GEOMETRIES[geometry])
     p = conv.ConvProblem(direction, n * n_scale, g, g * cg, g * kg, in_size, filt, stride, dilation, pad_lo, pad_hi,
                          dtype, dtype, dtype)
-    shapes = p.shapes()
-    data = {role: validation.random_array(rng, shapes[role], dtype) for role in ("x", "w", "y")}
-    written = conv.WRITES[direction]
-    validation.poison(data[written])
-    geo = (p.stride, p.dilation, p.pad_lo, p.pad_hi)
-    if direction == "fwd":
-        expect = reference.conv_fwd(data["x"], data["w"], *geo)
-    elif direction == "bwd_data":
-        expect = reference.conv_bwd_data(data["y"], data["w"], p.in_size, *geo)
-    else:
-        expect = reference.conv_bwd_weight(data["x"], data["y"], p.filter_size, *geo)
+    data, expect = validation.conv_case(p, rng)
     return p, data, expect
 
 

@@ -15,7 +15,6 @@ import ctypes
 import glob
 import importlib.util
 import os
-import sys
 import threading
 from pathlib import Path
 from typing import Any, Callable, Optional

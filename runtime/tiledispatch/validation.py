@@ -65,3 +65,22 @@ def gemm_inputs(p, rng, with_c: bool = False) -> dict:
         "bias": random_array(rng, (p.n,), p.dtype_c) if p.epilogue.bias else None,
         "residuals": tuple(random_array(rng, (p.batch, p.m, p.n), p.dtype_c) for _ in range(p.epilogue.residuals)),
     }
+
+
+def conv_case(p, rng) -> tuple[dict, np.ndarray]:
+    """Random x, w, y for a ConvProblem (the written one poisoned) and the float64 reference result."""
+    from . import reference
+    from .ops.conv import WRITES
+
+    shapes = p.shapes()
+    data = {role: random_array(rng, shapes[role], p.dtype_a if role == "x" else (p.dtype_b if role == "w" else p.dtype_c))
+            for role in ("x", "w", "y")}
+    geo = (p.stride, p.dilation, p.pad_lo, p.pad_hi)
+    if p.direction == "fwd":
+        expect = reference.conv_fwd(data["x"], data["w"], *geo)
+    elif p.direction == "bwd_data":
+        expect = reference.conv_bwd_data(data["y"], data["w"], p.in_size, *geo)
+    else:
+        expect = reference.conv_bwd_weight(data["x"], data["y"], p.filter_size, *geo)
+    poison(data[WRITES[p.direction]])
+    return data, expect

@@ -30,7 +30,7 @@ def templates(key: KernelKey) -> list[str]:
 
 
 def context(key: KernelKey) -> dict:
-    sig, alg = key.signature, key.algorithm
+    sig = key.signature
     arch = rules.archs("cpu")[key.arch]
     acc = dtype(sig.dtype_acc)
     return {

@@ -387,7 +387,7 @@ def make_args(problem: ConvProblem, key: KernelKey, ops: Optional[Operands] = No
 def _run(registry, direction: str, x, w, y, *, alpha: float, beta: float, kernel, stream, num_threads, **geo):
     written = {"x": x, "w": w, "y": y}[WRITES[direction]]
     if beta != 0 and written is None:
-        raise InvalidInputError(f"beta != 0 reads the previous contents of the output: pass out=")
+        raise InvalidInputError("beta != 0 reads the previous contents of the output: pass out=")
     problem, ops = operands(direction, x, w, y, **geo)
     registry.run(problem, ops, kernel=kernel, stream=stream, num_threads=num_threads, alpha=alpha, beta=beta)
     return ops.out
