@@ -1,6 +1,7 @@
 """Helpers shared by the cpu benchmarks: host timing and a description of the machine."""
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
@@ -34,3 +35,9 @@ def machine() -> dict:
     return {"cpu": model, "cores": os.cpu_count(), "arch": cpu.detect_arch(), "python": platform.python_version(),
             "numpy": np.__version__, "blas": blas, "compiler": cpu.toolchain().identity,
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+
+
+def write_report(path, report: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {path}")

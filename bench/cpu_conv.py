@@ -8,7 +8,6 @@ user has (one batched matmul per filter tap). Layers: ResNet-50 3x3 and 1x1, Res
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "runtime"))
 
 import tiledispatch as td  # noqa: E402
-from _cpu_common import machine, median_ms  # noqa: E402
+from _cpu_common import machine, median_ms, write_report  # noqa: E402
 from tiledispatch import reference, validation  # noqa: E402
 from tiledispatch.ops import conv  # noqa: E402
 
@@ -94,9 +93,7 @@ def main() -> None:
               "threads": a.threads or "default",
               "method": f"median of {a.repeat} calls after 1 warm-up, host timer; fp16 data, fp32 accumulation",
               "results": results}
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {a.out}")
+    write_report(a.out, report)
 
 
 if __name__ == "__main__":

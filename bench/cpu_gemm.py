@@ -9,7 +9,6 @@ BLAS path for fp16 and no bf16 matmul, so it is the baseline a numpy user has). 
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "runtime"))
 
 import tiledispatch as td  # noqa: E402
-from _cpu_common import machine, median_ms  # noqa: E402
+from _cpu_common import machine, median_ms, write_report  # noqa: E402
 from tiledispatch import validation  # noqa: E402
 from tiledispatch.ops import gemm as gemm_op  # noqa: E402
 from tiledispatch.spec.dtypes import numpy_dtype  # noqa: E402
@@ -88,9 +87,7 @@ def main() -> None:
     report = {"benchmark": "cpu_gemm", "date": time.strftime("%Y-%m-%d"), "machine": machine(),
               "method": f"median of {a.repeat} calls after 1 warm-up, host timer; square rcr problems",
               "results": results}
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {a.out}")
+    write_report(a.out, report)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,14 @@ def summary(proc: subprocess.CompletedProcess) -> dict:
     return {"total": total, "compiled": compiled, "cached": cached, "up_to_date": up_to_date, "failed": failed}
 
 
+def toolchain_or_reason(backend):
+    """(the backend's toolchain, "") or (None, why it is missing), for skipping compile tests."""
+    try:
+        return backend.toolchain(), ""
+    except RuntimeError as e:
+        return None, str(e)
+
+
 def compiled_names(proc: subprocess.CompletedProcess) -> set[str]:
     return set(re.findall(r"\] compiled (\S+)", proc.stdout))
 

@@ -9,17 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from conftest import toolchain_or_reason
 from tiledispatch import abi, backends, codegen
 from tiledispatch.ops import gemm as gemm_op
 from tiledispatch.spec.key import Algorithm, Epilogue, KernelKey, Signature
 
 cutlass = backends.get("cutlass")
-try:
-    TOOLCHAIN = cutlass.toolchain()
-except RuntimeError as e:  # no nvcc or no headers
-    TOOLCHAIN, WHY = None, str(e)
-
-pytestmark = pytest.mark.skipif(TOOLCHAIN is None, reason=f"cutlass toolchain missing: {WHY if TOOLCHAIN is None else ''}")
+TOOLCHAIN, WHY = toolchain_or_reason(cutlass)
+pytestmark = pytest.mark.skipif(TOOLCHAIN is None, reason=f"cutlass toolchain missing: {WHY}")
 
 # Fused epilogues exercise the most template code: bias, a residual, an activation / clamp.
 SM90 = KernelKey(Signature("gemm", "bf16", "bf16", "bf16", "fp32", "rcr", Epilogue("gelu_tanh", True, 1)),

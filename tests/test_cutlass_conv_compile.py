@@ -7,17 +7,14 @@ import subprocess
 
 import pytest
 
+from conftest import toolchain_or_reason
 from tiledispatch import abi, backends, codegen
 from tiledispatch.ops import conv
 from tiledispatch.spec.key import Algorithm, Epilogue, KernelKey, Signature
 
 cutlass = backends.get("cutlass")
-try:
-    TOOLCHAIN = cutlass.toolchain()
-except RuntimeError as e:  # no nvcc or no headers
-    TOOLCHAIN, WHY = None, str(e)
-
-pytestmark = pytest.mark.skipif(TOOLCHAIN is None, reason=f"cutlass toolchain missing: {WHY if TOOLCHAIN is None else ''}")
+TOOLCHAIN, WHY = toolchain_or_reason(cutlass)
+pytestmark = pytest.mark.skipif(TOOLCHAIN is None, reason=f"cutlass toolchain missing: {WHY}")
 
 DIRECT = KernelKey(Signature("conv", "fp16", "fp16", "fp16", "fp32", "nhwgc", Epilogue(), "fwd", 2),
                    Algorithm((16, 64, 8), "direct", (8, 1, 1), (4, 8, 1), "data_parallel", 1, (1, 1, 1), 0,
