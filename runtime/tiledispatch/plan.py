@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from . import abi
+from .ops import get as ops_get
 from .errors import InvalidInputError, KernelRuntimeError, UnsupportedProblemError
 
 
@@ -71,7 +72,7 @@ class Plan:
     def __init__(self, registry, problem, kernel, *, stream=None, num_threads: int = 0, **scalars):
         self.registry, self.problem, self.kernel = registry, problem, kernel
         self.stream, self.num_threads, self.scalars = stream, num_threads, scalars
-        self._ops = __import__(f"{__package__}.ops.{problem.op}", fromlist=["make_args"])
+        self._ops = ops_get(problem.op)
         self._args: Optional[abi.TdArgs] = None
         self._prints: Optional[tuple] = None
         self._run = kernel.library._lib.td_run
@@ -122,7 +123,7 @@ def bind(registry, problem, kernel, operands, *, stream=None, num_threads: int =
     reason = problem.mismatch(kernel.key)
     if reason:
         raise UnsupportedProblemError(f"{kernel.name} cannot run {problem}: {reason}")
-    ops = __import__(f"{__package__}.ops.{problem.op}", fromlist=["make_args"])
+    ops = ops_get(problem.op)
     args = ops.make_args(problem, kernel.key, operands, **scalars)
     args.num_threads = num_threads
     first = next(v.obj for v in operands.all())

@@ -6,15 +6,14 @@ td_can_run accepts it, then ranks them. run() launches exactly one kernel, once.
 """
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
-from types import ModuleType
 from typing import Callable, Optional, Union
 
 import numpy as np
 
 from . import abi, bundle, selection
 from .backends import get as get_backend
+from .ops import get as ops_get
 from .plan import Plan, bind, fingerprint, raise_for_status
 from .errors import BundleError, InvalidInputError, UnsupportedProblemError
 from .spec import rules
@@ -47,13 +46,6 @@ class Kernel:
         return f"Kernel({self.name})"
 
 
-def op_module(op: str) -> ModuleType:
-    try:
-        return importlib.import_module(f"{__package__}.ops.{op}")
-    except ModuleNotFoundError:
-        raise UnsupportedProblemError(f"op {op!r} is not supported by this runtime") from None
-
-
 class Registry:
     def __init__(self, kernels: list[Kernel], backend: str, arch: str, manifest: Optional[dict] = None):
         self.kernels = kernels
@@ -76,7 +68,7 @@ class Registry:
     # -- matching ---------------------------------------------------------------------------------
     def explain(self, problem, operands=None) -> list[tuple[Kernel, Optional[str]]]:
         """Each kernel with the reason it cannot run the problem (None when it can)."""
-        ops = op_module(problem.op)
+        ops = ops_get(problem.op)
         out = []
         for kern in self.kernels:
             reason = problem.mismatch(kern.key)
@@ -106,7 +98,7 @@ class Registry:
         """Launch one kernel once; operands is the op module's Operands or a dict of arrays (for GEMM:
         a, b, out, and optionally c, bias, residuals). Returns the kernel used."""
         if isinstance(operands, dict):
-            operands = op_module(problem.op).operands_for(problem, operands)
+            operands = ops_get(problem.op).operands_for(problem, operands)
         if isinstance(kernel, str):
             kernel = self.kernel(kernel)
         if kernel is None:
