@@ -160,9 +160,10 @@ def add_kernels(env, entries, *, backend_name: str, mode: str, build_dir: str, t
     """Render and compile every entry; returns {key name: .so (or check output) node}."""
     backend = backends.get(backend_name)
     tc = backend.check_toolchain() if mode == "check" else backend.toolchain()
-    if mode == "check":  # the whole check command, with placeholder paths, is its identity
-        def flags_of(key, tc):
-            return backend.check_command(key, tc, "<source>", "<output>")
+    if mode == "check":  # the whole check command is its identity, less the paths of this checkout
+        def flags_of(key, tc):  # (the ABI header's content is a dependency of its own)
+            cmd = backend.check_command(key, tc, "<source>", "<output>")
+            return [arg.replace(str(abi.INCLUDE_DIR), "<abi>") for arg in cmd]
     else:
         flags_of = backend.compile_flags
     gen_files = generator_files(backend_name)
