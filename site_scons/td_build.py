@@ -74,8 +74,9 @@ class KernelCacheDir(SCons.CacheDir.CacheDir):
             return False
         if SCons.CacheDir.CacheRetrieveSilent(node, [], node.get_build_env(), execute=1) != 0:
             return False
-        if node.name.endswith(".so"):  # our own line instead of SCons's "Retrieved ..."
-            PROGRESS.record("cached", node.name[:-3])
+        name, suffix = os.path.splitext(node.name)
+        if suffix in (".so", ".check"):  # a compiled kernel or a check stamp: our own line instead of SCons's
+            PROGRESS.record("cached", name)
         return True
 
 
