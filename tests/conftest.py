@@ -53,6 +53,26 @@ def toolchain_or_reason(backend):
         return None, str(e)
 
 
+def compile_keys(backend, toolchain, keys, out: Path, timeout: int = 900) -> dict:
+    """Render and compile keys in parallel (one compiler process each) into out; {key: (library, log)}.
+    A failing compile fails the caller with the compiler's output."""
+    from tiledispatch import abi, codegen
+
+    procs = {}
+    for key in keys:
+        src = out / codegen.source_name(key)
+        src.write_text(codegen.render(key))
+        lib = out / f"{key.name}.so"
+        cmd = backend.compile_command(key, toolchain, str(src), str(lib), [str(abi.INCLUDE_DIR)])
+        procs[key] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), lib)
+    built = {}
+    for key, (proc, lib) in procs.items():
+        log, _ = proc.communicate(timeout=timeout)
+        assert proc.returncode == 0, f"compile failed for {key.name}:\n{log[-8000:]}"
+        built[key] = (lib, log)
+    return built
+
+
 def compiled_names(proc: subprocess.CompletedProcess) -> set[str]:
     return set(re.findall(r"\] compiled (\S+)", proc.stdout))
 

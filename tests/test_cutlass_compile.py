@@ -4,13 +4,12 @@ run side by side (about 2 minutes and 4 GB each); the kernels' host code (argume
 export) is then exercised without a device."""
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from conftest import toolchain_or_reason
-from tiledispatch import abi, backends, codegen
+from conftest import compile_keys, toolchain_or_reason
+from tiledispatch import abi, backends
 from tiledispatch.ops import gemm as gemm_op
 from tiledispatch.spec.key import Algorithm, Epilogue, KernelKey, Signature
 
@@ -29,21 +28,10 @@ SM80 = KernelKey(Signature("gemm", "fp16", "fp16", "fp16", "fp32", "rcr", Epilog
 
 @pytest.fixture(scope="module")
 def libraries(tmp_path_factory) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("cutlass_compile")
-    procs = {}
-    for key in (SM90, SM80):
-        src = out / codegen.source_name(key)
-        src.write_text(codegen.render(key))
-        lib = out / f"{key.name}.so"
-        cmd = cutlass.compile_command(key, TOOLCHAIN, str(src), str(lib), [str(abi.INCLUDE_DIR)])
-        procs[key.arch] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), lib)
-    libs = {}
-    for arch, (proc, lib) in procs.items():
-        log, _ = proc.communicate(timeout=900)
-        assert proc.returncode == 0, f"nvcc failed for {arch}:\n{log[-8000:]}"
-        assert "serialized" not in log, f"ptxas serialized wgmma for {arch} (-DNDEBUG missing?):\n{log}"
-        libs[arch] = lib
-    return libs
+    built = compile_keys(cutlass, TOOLCHAIN, (SM90, SM80), tmp_path_factory.mktemp("cutlass_compile"))
+    for key, (_, log) in built.items():
+        assert "serialized" not in log, f"ptxas serialized wgmma for {key.arch} (-DNDEBUG missing?):\n{log}"
+    return {key.arch: lib for key, (lib, _) in built.items()}
 
 
 @pytest.mark.parametrize("key", [SM90, SM80], ids=["sm90a", "sm80"])

@@ -3,12 +3,11 @@
 workspace size) without a device. Skipped unless the cutlass toolchain (nvcc + headers) is present."""
 from __future__ import annotations
 
-import subprocess
 
 import pytest
 
-from conftest import toolchain_or_reason
-from tiledispatch import abi, backends, codegen
+from conftest import compile_keys, toolchain_or_reason
+from tiledispatch import abi, backends
 from tiledispatch.ops import conv
 from tiledispatch.spec.key import Algorithm, Epilogue, KernelKey, Signature
 
@@ -26,20 +25,8 @@ IGEMM = KernelKey(Signature("conv", "bf16", "bf16", "bf16", "fp32", "nhwgc", Epi
 
 @pytest.fixture(scope="module")
 def libraries(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cutlass_conv_compile")
-    procs = {}
-    for key in (DIRECT, IGEMM):
-        src = out / codegen.source_name(key)
-        src.write_text(codegen.render(key))
-        lib = out / f"{key.name}.so"
-        cmd = cutlass.compile_command(key, TOOLCHAIN, str(src), str(lib), [str(abi.INCLUDE_DIR)])
-        procs[key] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), lib)
-    libs = {}
-    for key, (proc, lib) in procs.items():
-        log, _ = proc.communicate(timeout=600)
-        assert proc.returncode == 0, f"nvcc failed for {key.name}:\n{log[-8000:]}"
-        libs[key] = abi.KernelLibrary(lib)
-    return libs
+    built = compile_keys(cutlass, TOOLCHAIN, (DIRECT, IGEMM), tmp_path_factory.mktemp("cutlass_conv_compile"), 600)
+    return {key: abi.KernelLibrary(lib) for key, (lib, _) in built.items()}
 
 
 @pytest.mark.parametrize("key", [DIRECT, IGEMM], ids=["direct", "implicit_gemm"])
