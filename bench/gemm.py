@@ -6,9 +6,9 @@
 Every candidate is timed the same way in the same run: `calls` back-to-back launches between two CUDA
 events on the current torch stream, inputs rotated over enough sets to overflow L2, median of
 `repeats`. The registry's best also tries the run-time raster order / swizzle parameters on its three
-fastest kernels (the selected kernel runs with the kernel's own choice, params 0). Layout rcr (A row-major, B given as [N, K] row-major, D row-major). Also measures host
-overhead per call at a tiny shape: a raw C call (td_run through ctypes with prebuilt arguments), a
-tiledispatch call (Registry.gemm) and torch.mm. Writes gemm_<tag>.json and gemm_<tag>.png.
+fastest kernels (the selected kernel runs with the kernel's own choice, params 0). Layout rcr (A
+row-major, B given as [N, K] row-major, D row-major). Writes gemm_<tag>.json and gemm_<tag>.png. Host
+overhead per call is bench/host_overhead.py's.
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import json
 import math
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -129,49 +128,6 @@ def bench_shape(reg: Registry, m, n, k, dtype, gen, stream, explore: int = 3) ->
     return row
 
 
-def per_call_us(fn, n_calls: int = 3000) -> float:
-    """Host microseconds per call of fn: median of 5 timed loops after a warm-up, device synchronized."""
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(n_calls):
-            fn()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - t0) / n_calls * 1e6)
-    return statistics.median(samples)
-
-
-def host_overhead(reg: Registry, gen, stream, n_calls: int = 3000) -> dict:
-    """Host microseconds per call at 128^3 fp16 (the GPU finishes each call faster than the host
-    issues the next, so this is issue time)."""
-    m = n = k = 128
-    a, bt = random_tensor((m, k), "fp16", gen), random_tensor((n, k), "fp16", gen)
-    d = torch.empty((m, n), dtype=torch.float16, device="cuda")
-    problem, ops = operands(a[None], bt.t()[None], d[None])
-    kern = reg.select(problem)
-    launcher = Launcher(kern)
-    args = launcher.args(problem, ops, stream)
-
-    def per_call(fn) -> float:
-        return per_call_us(fn, n_calls)
-
-    out = {"shape": [m, n, k], "kernel": kern.name,
-           "raw_c_call_us": per_call(lambda: kern.library.run(args)),
-           "torch_mm_us": per_call(lambda: torch.mm(a, bt.t(), out=d))}
-    for label, kw in (("tiledispatch_gemm_named_kernel_us", {"kernel": kern.name}), ("tiledispatch_gemm_us", {})):
-        try:
-            out[label] = per_call(lambda: reg.gemm(a, bt.t(), out=d, stream=stream, **kw))
-        except Exception as e:  # report, do not hide: the registry path may not support this yet
-            out[label] = None
-            out[label.replace("_us", "_error")] = f"{type(e).__name__}: {e}"
-    if out.get("tiledispatch_gemm_named_kernel_us") is not None:
-        out["overhead_above_raw_us"] = out["tiledispatch_gemm_named_kernel_us"] - out["raw_c_call_us"]
-    return out
-
-
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -209,7 +165,7 @@ def main() -> int:
     gen = torch.Generator(device="cuda")
     gen.manual_seed(7)
     stream = torch.cuda.current_stream().cuda_stream
-    rows, overhead, manifests = [], None, {}
+    rows, manifests = [], {}
     for spec in opts.registry:
         label, rest = spec.split("=", 1)
         dtype, dirs = rest.split(":", 1)
@@ -223,10 +179,6 @@ def main() -> int:
             print(f"{label:15s} {m:>5}x{n:>5}x{k:>5}  cuBLAS {row['cublas_tflops']:6.1f}  selected {row['selected_tflops']:6.1f}"
                   f"  best {row['best_tflops']:6.1f} {row['best_params']}  best/cuBLAS {row['best_vs_cublas']:.2f}"
                   f"  sel/best {row['selected_vs_best']:.2f}", flush=True)
-        if dtype == "fp16" and overhead is None:
-            overhead = host_overhead(reg, gen, stream)
-            overhead["registry"] = label
-            print("host overhead:", json.dumps(overhead), flush=True)
     geo = {}
     for dt in dict.fromkeys(r["registry"] for r in rows):
         rs = [r for r in rows if r["registry"] == dt]
@@ -242,8 +194,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     result = {"machine": machine(), "bundles": manifests, "timing": "per candidate: median of 10 batches of "
               "back-to-back launches between CUDA events, inputs rotated over >= 3x L2; cuBLAS, selected and best "
-              "re-timed so in 3 interleaved passes, median reported", "rows": rows, "summary": geo,
-              "host_overhead": overhead}
+              "re-timed so in 3 interleaved passes, median reported", "rows": rows, "summary": geo}
     (out / f"gemm_{opts.tag}.json").write_text(json.dumps(result, indent=1))
     plot(rows, out / f"gemm_{opts.tag}.png")
     print(f"wrote {out / f'gemm_{opts.tag}.json'} and .png")
