@@ -3,7 +3,9 @@
     python bench/gemm.py --registry fp16_essential=fp16:DIR[,DIR...] --registry bf16_essential=bf16:DIR \
                          [--out bench/results] [--tag h100]
 
-Every candidate is timed the same way in the same run: `calls` back-to-back launches between two CUDA
+Selection is reported three ways: "selected" (the default ranker: the shipped learned model where it
+applies, else analytic), "autotuned" (Registry.tune: the learned top 5 timed once on the shape) and
+"analytic". Every candidate is timed the same way in the same run: `calls` back-to-back launches between two CUDA
 events on the current torch stream, inputs rotated over enough sets to overflow L2, median of
 `repeats`. The registry's best also tries the run-time raster order / swizzle parameters on its three
 fastest kernels (the selected kernel runs with the kernel's own choice, params 0). Layout rcr (A
@@ -24,6 +26,7 @@ import torch
 from _gpu_common import Launcher, machine, operands, random_tensor
 from tiledispatch import abi, cuda, load
 from tiledispatch.registry import Registry
+from tiledispatch.tuning import TuningCache
 
 SHAPES = [(s, s, s) for s in (256, 512, 1024, 2048, 4096, 8192)] + [
     (16, 4096, 4096), (128, 4096, 4096), (4096, 11008, 4096), (4096, 4096, 11008), (8192, 128, 8192),
@@ -32,6 +35,7 @@ L2_BYTES = 50 * 2**20
 
 
 def merged_registry(dirs: list[str]) -> Registry:
+    """One registry of the bundles' kernels; tuning records stay in memory (none read, none written)."""
     regs = [load(d) for d in dirs]
     kernels, seen = [], set()
     for reg in regs:
@@ -39,7 +43,7 @@ def merged_registry(dirs: list[str]) -> Registry:
             if k.name not in seen:
                 seen.add(k.name)
                 kernels.append(k)
-    return Registry(kernels, regs[0].backend, regs[0].arch, regs[0].manifest)
+    return Registry(kernels, regs[0].backend, regs[0].arch, regs[0].manifest, tuning_cache=TuningCache(None))
 
 
 def timed(fn, stream: int, target_ms: float = 2.0, repeats: int = 10) -> float:
@@ -92,7 +96,9 @@ def bench_shape(reg: Registry, m, n, k, dtype, gen, stream, explore: int = 3) ->
                 per_kernel[kern.name] = timed(fn, stream)
     if not per_kernel:
         raise RuntimeError(f"no kernel of the registry runs {m}x{n}x{k} {dtype}")
-    selected = reg.select(problem).name
+    selected = reg.select(problem).name  # the default: learned where a model applies, else analytic
+    analytic = reg.select(problem, ranker="analytic").name
+    tuned_pick = reg.tune(problem, {"a": inp.a[0], "b": inp.bt[0].t(), "out": inp.d[0]}, top=5).name
     best_default = min(per_kernel, key=per_kernel.get)
     tuned = {(name, 0, 0): ms for name, ms in per_kernel.items()}
     for name in sorted(per_kernel, key=per_kernel.get)[:explore]:
@@ -107,16 +113,20 @@ def bench_shape(reg: Registry, m, n, k, dtype, gen, stream, explore: int = 3) ->
     # The reported numbers: cuBLAS, the selected kernel (its own params) and the best variant, re-timed
     # in three interleaved passes (median), so that clock drift and noise hit all three alike.
     contenders = {"cublas": cublas, "selected": prepared(reg.kernel(selected)),
+                  "autotuned": prepared(reg.kernel(tuned_pick)), "analytic": prepared(reg.kernel(analytic)),
                   "best": prepared(reg.kernel(best), best_raster, best_swizzle)}
     final = {name: [] for name in contenders}
     for _ in range(3):
         for name, fn in contenders.items():
             final[name].append(timed(fn, stream))
     ms = {name: statistics.median(v) for name, v in final.items()}
-    if ms["selected"] < ms["best"]:  # the selected kernel is the registry's best after all
-        best, best_raster, best_swizzle, ms["best"] = selected, 0, 0, ms["selected"]
+    for mode, name in (("selected", selected), ("autotuned", tuned_pick), ("analytic", analytic)):
+        if ms[mode] < ms["best"]:  # a pick is the registry's best after all
+            best, best_raster, best_swizzle, ms["best"] = name, 0, 0, ms[mode]
     row.update(cublas_ms=ms["cublas"], selected=selected, selected_ms=ms["selected"],
-               selected_tflops=tflops(ms["selected"]), best=best,
+               selected_tflops=tflops(ms["selected"]), autotuned=tuned_pick,
+               autotuned_tflops=tflops(ms["autotuned"]), analytic=analytic, analytic_tflops=tflops(ms["analytic"]),
+               best=best,
                best_params={"raster": best_raster, "swizzle": best_swizzle}, best_ms=ms["best"],
                best_tflops=tflops(ms["best"]), cublas_tflops=tflops(ms["cublas"]),
                final_samples_ms=final, best_default=best_default,
@@ -124,7 +134,8 @@ def bench_shape(reg: Registry, m, n, k, dtype, gen, stream, explore: int = 3) ->
                kernels_tflops={name: round(tflops(t), 2) for name, t in sorted(per_kernel.items())},
                params_tflops={f"{n}|r{r}s{s}": round(tflops(t), 2) for (n, r, s), t in tuned.items() if r or s})
     row["best_vs_cublas"] = row["best_tflops"] / row["cublas_tflops"]
-    row["selected_vs_best"] = row["selected_tflops"] / row["best_tflops"]
+    for mode in ("selected", "autotuned", "analytic"):
+        row[f"{mode}_vs_best"] = row[f"{mode}_tflops"] / row["best_tflops"]
     return row
 
 
@@ -139,10 +150,11 @@ def plot(rows: list[dict], path: Path) -> None:
     for ax, dt in zip(axes[:, 0], labels):
         rs = [r for r in rows if r["registry"] == dt]
         xs = range(len(rs))
-        for off, (field, label) in zip((-0.27, 0, 0.27), (("cublas_tflops", "cuBLAS (torch.mm)"),
-                                                          ("selected_tflops", "tiledispatch selected"),
+        for off, (field, label) in zip((-0.3, -0.1, 0.1, 0.3), (("cublas_tflops", "cuBLAS (torch.mm)"),
+                                                          ("selected_tflops", "tiledispatch selected (learned)"),
+                                                          ("autotuned_tflops", "tiledispatch autotuned (top 5)"),
                                                           ("best_tflops", "registry best (+raster/swizzle)"))):
-            ax.bar([x + off for x in xs], [r[field] for r in rs], width=0.27, label=label)
+            ax.bar([x + off for x in xs], [r[field] for r in rs], width=0.2, label=label)
         ax.set_xticks(list(xs))
         ax.set_xticklabels([f"{r['m']}x{r['n']}x{r['k']}" for r in rs], rotation=30, ha="right", fontsize=8)
         ax.set_ylabel("TFLOP/s")
@@ -178,7 +190,8 @@ def main() -> int:
             rows.append(row)
             print(f"{label:15s} {m:>5}x{n:>5}x{k:>5}  cuBLAS {row['cublas_tflops']:6.1f}  selected {row['selected_tflops']:6.1f}"
                   f"  best {row['best_tflops']:6.1f} {row['best_params']}  best/cuBLAS {row['best_vs_cublas']:.2f}"
-                  f"  sel/best {row['selected_vs_best']:.2f}", flush=True)
+                  f"  sel/best {row['selected_vs_best']:.2f} tuned/best {row['autotuned_vs_best']:.2f}"
+                  f" analytic/best {row['analytic_vs_best']:.2f}", flush=True)
     geo = {}
     for dt in dict.fromkeys(r["registry"] for r in rows):
         rs = [r for r in rows if r["registry"] == dt]
@@ -186,15 +199,16 @@ def main() -> int:
             "best_vs_cublas_geomean": math.exp(statistics.fmean(math.log(r["best_vs_cublas"]) for r in rs)),
             "selected_vs_cublas_geomean": math.exp(statistics.fmean(
                 math.log(r["selected_tflops"] / r["cublas_tflops"]) for r in rs)),
-            "selected_vs_best_min": min(r["selected_vs_best"] for r in rs),
+            **{f"{mode}_vs_best_min": min(r[f"{mode}_vs_best"] for r in rs)
+               for mode in ("selected", "autotuned", "analytic")},
             "best_vs_cublas_8192": next((r["best_vs_cublas"] for r in rs if (r["m"], r["n"], r["k"]) == (8192,) * 3), None),
         }
         print(dt, json.dumps(geo[dt]))
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"machine": machine(), "bundles": manifests, "timing": "per candidate: median of 10 batches of "
-              "back-to-back launches between CUDA events, inputs rotated over >= 3x L2; cuBLAS, selected and best "
-              "re-timed so in 3 interleaved passes, median reported", "rows": rows, "summary": geo}
+              "back-to-back launches between CUDA events, inputs rotated over >= 3x L2; cuBLAS, selected, autotuned, "
+              "analytic and best re-timed so in 3 interleaved passes, median reported", "rows": rows, "summary": geo}
     (out / f"gemm_{opts.tag}.json").write_text(json.dumps(result, indent=1))
     plot(rows, out / f"gemm_{opts.tag}.png")
     print(f"wrote {out / f'gemm_{opts.tag}.json'} and .png")

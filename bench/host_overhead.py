@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _gpu_common import Launcher, machine, operands, random_tensor  # noqa: E402  (puts runtime/ on the path)
 import tiledispatch as td  # noqa: E402
-from _gpu_common import Launcher, machine, operands, random_tensor  # noqa: E402
 
 CALLS, ROUNDS = 200, 41
 

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# tests never read or write the user's tuning records (tests of tuning pass their own cache)
+os.environ["TD_TUNING_CACHE"] = "none"
 BUILD_INPUTS = ("SConstruct", "site_scons", "runtime", "templates", "preselected", "kernel_specs")
 
 

@@ -102,3 +102,27 @@ def empty_like_device(ref: ArrayView, shape: tuple[int, ...], dtype: str):
 
         return cupy.empty(shape, dtype=numpy_dtype(dtype))
     raise InvalidInputError(f"cannot allocate an output like {type(ref.obj).__name__}: pass out=")
+
+
+def snapshot(obj):
+    """A copy of a numpy, torch or cupy array's contents (for restore), or None for other objects."""
+    if isinstance(obj, np.ndarray):
+        return obj.copy(order="K")
+    module = type(obj).__module__.split(".")[0]
+    if module == "torch":
+        return obj.clone()
+    if module == "cupy":
+        return obj.copy(order="K")
+    return None
+
+
+def restore(obj, saved) -> None:
+    """Write a snapshot back into the array it was taken from."""
+    if isinstance(obj, np.ndarray):
+        np.copyto(obj, saved)
+    elif type(obj).__module__.startswith("torch"):
+        obj.copy_(saved)
+    else:
+        import cupy
+
+        cupy.copyto(obj, saved)

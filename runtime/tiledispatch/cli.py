@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from . import errors, reference, registry as registry_mod, selection, validation
+from . import errors, learned, reference, registry as registry_mod, selection, validation
 from .ops import gemm as gemm_op
 from .spec.key import ACTIVATIONS
 
@@ -60,7 +60,8 @@ def cmd_info(reg, a) -> int:
     else:
         m = reg.manifest
         _print({"backend": m["backend"], "arch": m["arch"], "kernel_sets": m.get("kernel_sets"),
-                "toolchain": m.get("toolchain"), "created": m.get("created"), "kernels": len(m["kernels"])})
+                "toolchain": m.get("toolchain"), "created": m.get("created"), "kernels": len(m["kernels"]),
+                "selection_models": learned.describe(m["backend"], m["arch"])})
     return 0
 
 
@@ -68,8 +69,9 @@ def cmd_select(reg, a) -> int:
     p = _gemm_problem(reg, a)
     explained = reg.explain(p)
     fits = [k for k, r in explained if r is None]
-    ranked = selection.RANKERS[a.ranker](p, fits)
-    _print({"problem": p.to_dict(), "selected": ranked[0].name if ranked else None,
+    ranked = selection.RANKERS["learned" if a.ranker == "auto" else a.ranker](p, fits)
+    selected = reg.select(p, a.ranker).name if ranked else None  # auto: a tuning record may override
+    _print({"problem": p.to_dict(), "selected": selected,
             "ranked": [{"kernel": k.name, "estimated_cost": selection.estimated_cost(p, k.key)} for k in ranked],
             "rejected": {k.name: r for k, r in explained if r is not None}})
     return 0 if ranked else 2
@@ -133,7 +135,8 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("--alpha", type=float, default=1.0)
         sp.add_argument("--clamp-low", type=float, default=-1.0)
         sp.add_argument("--clamp-high", type=float, default=1.0)
-        sp.add_argument("--ranker", choices=sorted(selection.RANKERS), default="analytic")
+        sp.add_argument("--ranker", choices=["auto", *sorted(selection.RANKERS)], default="auto",
+                        help="auto: this device's tuning record, else learned (a shipped model), else analytic")
         sp.add_argument("--kernel", help="run this kernel instead of the selected one")
         sp.add_argument("--seed", type=int, default=0)
         if name == "run":

@@ -166,6 +166,17 @@ def multiprocessor_count(device: Optional[int] = None) -> int:
     return _attribute(_ATTR_SM_COUNT, current_device() if device is None else device)
 
 
+def device_name(device: Optional[int] = None) -> str:
+    """The device's marketing name, e.g. "NVIDIA H100 80GB HBM3" (cudaDeviceProp begins with char name[256]
+    in every CUDA version; the buffer is larger than any version's struct)."""
+    device = current_device() if device is None else device
+    buf = ctypes.create_string_buffer(16384)
+    lib = runtime()
+    get = getattr(lib, "cudaGetDeviceProperties_v2", None) or lib.cudaGetDeviceProperties
+    _check(get(buf, ctypes.c_int(device)), "cudaGetDeviceProperties")
+    return buf.raw[:256].split(b"\0", 1)[0].decode(errors="replace")
+
+
 def device_arch(device: Optional[int] = None) -> str:
     """The cutlass arch name of a device: "sm90a" for compute capability 9.0, "sm80" for 8.x,
     else "sm<major><minor>" (which no cutlass bundle targets)."""

@@ -11,7 +11,7 @@ from typing import Callable, Optional, Union
 
 import numpy as np
 
-from . import abi, bundle, selection
+from . import abi, arrays, bundle, selection, tuning
 from .backends import get as get_backend
 from .ops import get as ops_get
 from .plan import Plan, bind, fingerprint, raise_for_status
@@ -47,11 +47,18 @@ class Kernel:
 
 
 class Registry:
-    def __init__(self, kernels: list[Kernel], backend: str, arch: str, manifest: Optional[dict] = None):
+    """autotune: when a launch needs a kernel choice and no tuning record exists for it, time the best
+    few candidates on the call's own data first (Registry.tune) and remember the winner."""
+
+    def __init__(self, kernels: list[Kernel], backend: str, arch: str, manifest: Optional[dict] = None, *,
+                 autotune: bool = False, tuning_cache: Optional[tuning.TuningCache] = None):
         self.kernels = kernels
         self.backend, self.arch = backend, arch
         self.manifest = manifest or {}
         self.device = rules.backend_rules(backend)["device"]
+        self.autotune = autotune
+        self.tuning = tuning_cache or tuning.TuningCache(tuning.default_path())
+        self._device_identity: Optional[str] = None
         self._checked_runnable = False
         self._plans: dict = {}  # gemm(): fingerprints and options -> Plan, oldest first
         self._workspaces: dict = {}  # device -> [(buffer, bytes)], grow-only
@@ -84,13 +91,77 @@ class Registry:
     def supports(self, problem) -> bool:
         return bool(self.candidates(problem))
 
-    def select(self, problem, ranker: Union[str, Callable] = "analytic", operands=None) -> Kernel:
+    def select(self, problem, ranker: Union[str, Callable] = "auto", operands=None) -> Kernel:
+        """The best kernel for the problem. ranker "auto": this device's tuning record for the problem
+        when there is one, else "learned" (a shipped model where one covers the kernels, else "analytic")."""
+        fits = self._fits(problem, operands)
+        if ranker == "auto":
+            return self._tuned(problem, fits) or selection.learned(problem, fits)[0]
+        rank = selection.RANKERS[ranker] if isinstance(ranker, str) else ranker
+        return rank(problem, fits)[0]
+
+    def tune(self, problem, operands, *, top: int = 5, stream=None, num_threads: int = 0, **scalars) -> Kernel:
+        """Time the `top` best-ranked candidates on these operands (a dict or the op's Operands), remember
+        the fastest in the tuning cache for this device and return it. The output is written by the timing
+        launches; with beta != 0 its contents are restored afterwards."""
+        if isinstance(operands, dict):
+            operands = ops_get(problem.op).operands_for(problem, operands)
+        self._check_device(operands)
+        return self._tune(problem, operands, self._fits(problem, operands), top=top, stream=stream,
+                          num_threads=num_threads, **scalars)
+
+    def _fits(self, problem, operands) -> list[Kernel]:
         explained = self.explain(problem, operands)
         fits = [k for k, reason in explained if reason is None]
         if not fits:
             raise UnsupportedProblemError(_no_kernel_message(problem, explained))
-        rank = selection.RANKERS[ranker] if isinstance(ranker, str) else ranker
-        return rank(problem, fits)[0]
+        return fits
+
+    def _identity(self) -> str:
+        if self._device_identity is None:
+            self._device_identity = tuning.device_identity(self.device)
+        return self._device_identity
+
+    def _tuned(self, problem, fits: list[Kernel]) -> Optional[Kernel]:
+        """The kernel this device's tuning record names for the problem and these candidates, if any."""
+        if not self.tuning.records():  # nothing recorded: no need to ask the device who it is
+            return None
+        rec = self.tuning.get(self._identity(), tuning.problem_key(problem, [k.name for k in fits]))
+        return next((k for k in fits if rec and k.name == rec.get("kernel")), None)
+
+    def _tune(self, problem, operands, fits: list[Kernel], *, top: int, stream, num_threads: int,
+              **scalars) -> Kernel:
+        saved = arrays.snapshot(operands.out) if scalars.get("beta", 0) else None
+        if scalars.get("beta", 0) and saved is None:
+            raise InvalidInputError(f"tuning with beta != 0 restores the output afterwards: pass numpy, torch or "
+                                    f"cupy arrays, not {type(operands.out).__name__}")
+        times = {}
+        for kern in selection.learned(problem, fits)[:max(1, top)]:
+            args = bind(self, problem, kern, operands, stream=stream, num_threads=num_threads, **scalars)
+
+            def launch(kern=kern, args=args):
+                status, reason = kern.library.run(args)
+                if status != abi.OK:
+                    raise_for_status(kern, status, reason)
+
+            times[kern.name] = tuning.time_ms(launch, self.device, args.stream)
+        if saved is not None:
+            arrays.restore(operands.out, saved)
+        winner = min(times, key=times.get)
+        self.tuning.put(self._identity(), tuning.problem_key(problem, [k.name for k in fits]),
+                        tuning.record(winner, times))
+        return self.kernel(winner)
+
+    def _choose(self, problem, operands, *, stream, num_threads: int, scalars: dict) -> Kernel:
+        """The kernel for a launch without a named kernel: a tuning record, else (autotune) a tuning run
+        on this call's data, else the learned / analytic ranking."""
+        fits = self._fits(problem, operands)
+        tuned = self._tuned(problem, fits)
+        if tuned is not None:
+            return tuned
+        if self.autotune and (not scalars.get("beta", 0) or arrays.snapshot(operands.out) is not None):
+            return self._tune(problem, operands, fits, top=5, stream=stream, num_threads=num_threads, **scalars)
+        return selection.learned(problem, fits)[0]
 
     # -- running ----------------------------------------------------------------------------------
     def run(self, problem, operands, *, kernel: Union[Kernel, str, None] = None, stream=None,
@@ -103,7 +174,7 @@ class Registry:
             kernel = self.kernel(kernel)
         if kernel is None:
             self._check_device(operands)
-            kernel = self.select(problem, operands=operands)
+            kernel = self._choose(problem, operands, stream=stream, num_threads=num_threads, scalars=scalars)
         args = bind(self, problem, kernel, operands, stream=stream, num_threads=num_threads, **scalars)
         status, reason = kernel.library.run(args)
         if status != abi.OK:
@@ -145,7 +216,10 @@ class Registry:
                                         activation=activation, clamp=clamp, kernel=kernel, num_threads=num_threads)
         problem, operands = gemm_op.operands(a, b, out, c, bias, residuals, activation)
         self._check_device(operands)
-        chosen = self.kernel(kernel) if isinstance(kernel, str) else (kernel or self.select(problem, operands=operands))
+        if isinstance(kernel, str):
+            kernel = self.kernel(kernel)
+        chosen = kernel or self._choose(problem, operands, stream=stream, num_threads=num_threads,
+                                        scalars={"alpha": alpha, "beta": beta, "clamp": clamp})
         plan = Plan(self, problem, chosen, stream=stream, num_threads=num_threads, alpha=alpha, beta=beta,
                     clamp=clamp)
         plan({"a": a, "b": b, "out": operands.out, "c": c, "bias": bias, "residuals": tuple(residuals)})
@@ -245,10 +319,13 @@ def _no_kernel_message(problem, explained) -> str:
     return "\n".join(lines)
 
 
-def load(bundle_dir: Union[str, Path]) -> Registry:
-    """Load a bundle: verify the manifest, every file's sha256 and every embedded key."""
+def load(bundle_dir: Union[str, Path], *, autotune: bool = False,
+         tuning_cache: Optional[tuning.TuningCache] = None) -> Registry:
+    """Load a bundle: verify the manifest, every file's sha256 and every embedded key. autotune: see
+    Registry; tuning_cache: where tuning records live (default: tuning.default_path())."""
     manifest = bundle.read_manifest(bundle_dir)
     kernels = [Kernel(e["_key"], e["_path"], e.get("origin", "")) for e in manifest["kernels"]]
     if not kernels:
         raise BundleError(f"{bundle_dir}: the bundle has no kernels")
-    return Registry(kernels, manifest["backend"], manifest["arch"], manifest)
+    return Registry(kernels, manifest["backend"], manifest["arch"], manifest, autotune=autotune,
+                    tuning_cache=tuning_cache)

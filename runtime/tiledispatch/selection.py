@@ -2,7 +2,9 @@
 
 first_fit keeps the registry's order. analytic estimates each kernel's time from its tile shape:
 output tiles spread over the machine's compute units in waves, padded work at the edges, and a tile
-efficiency that grows with the tile's arithmetic intensity until it saturates.
+efficiency that grows with the tile's arithmetic intensity until it saturates. learned sorts by a
+model trained on measurements (learned.py) where one is shipped for the kernels, else falls back to
+analytic. (Measured tuning, which needs data and a device, lives in the registry: Registry.tune.)
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ def estimated_cost(problem, key) -> float:
     """Relative time of one kernel on one problem (lower is better); only the ranking matters."""
     tm, tn, tk = key.algorithm.tile
     split = key.algorithm.split_k
-    m, n, k, batch = _gemm_view(problem, key)
+    m, n, k, batch = gemm_view(problem, key)
     tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch * split
     waves = math.ceil(tiles / compute_units(key.backend, key.arch))
     k_per_tile = math.ceil(math.ceil(k / split) / tk) * tk
@@ -38,11 +40,18 @@ def analytic(problem, kernels) -> list:
     return sorted(kernels, key=lambda kern: (estimated_cost(problem, kern.key), kern.name))
 
 
-def _gemm_view(problem, key) -> tuple[int, int, int, int]:
+def gemm_view(problem, key) -> tuple[int, int, int, int]:
     """(m, n, k, batch) of the (implicit) GEMM the kernel performs for the problem."""
     if hasattr(problem, "gemm_shape"):
         return problem.gemm_shape(key)
     return problem.m, problem.n, problem.k, problem.batch
 
 
-RANKERS = {"first_fit": first_fit, "analytic": analytic}
+def learned(problem, kernels) -> list:
+    from . import learned as learned_models
+
+    ranked = learned_models.rank(problem, list(kernels))
+    return ranked if ranked is not None else analytic(problem, kernels)
+
+
+RANKERS = {"first_fit": first_fit, "analytic": analytic, "learned": learned}
