@@ -5,6 +5,7 @@ bundle for this GPU's arch), else one small kernel set is built here with scons 
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -179,3 +180,24 @@ def test_numpy_through_device_arrays(registry):
     out = dout.to_host().astype(np.float64)
     ref = a.astype(np.float64) @ b.astype(np.float64)
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 2e-3
+
+
+def test_autotune_on_the_gpu(registry, tmp_path):
+    """Tuning times candidates with CUDA events on the caller's stream, records the winner under this
+    GPU's identity, and the result of the tuned call is still right (beta != 0: the output is restored)."""
+    from tiledispatch import tuning
+
+    cache = tmp_path / "tuning.json"
+    reg = td.Registry(registry.kernels, registry.backend, registry.arch, registry.manifest, autotune=True,
+                      tuning_cache=tuning.TuningCache(cache))
+    a, b = rcr(512, 384, 256, seed=3)
+    c = torch.rand((512, 384), device="cuda").half()
+    out = c.clone()
+    reg.gemm(a, b, out=out, c=out, beta=1.0)
+    torch.cuda.synchronize()
+    assert relerr(out, a.double() @ b.double() + c.double()) < 2e-3
+    devices = json.loads(cache.read_text())["devices"]
+    (device,) = devices
+    assert device.startswith("cuda:") and torch.cuda.get_device_name() in device
+    (rec,) = devices[device].values()
+    assert rec["kernel"] in {k.name for k in reg.kernels} and all(t > 0 for t in rec["times_ms"].values())
