@@ -4,7 +4,7 @@
                          [--out bench/results] [--tag h100]
 
 Selection is reported three ways: "selected" (the default ranker: the shipped learned model where it
-applies, else analytic), "autotuned" (Registry.tune: the learned top 5 timed once on the shape) and
+applies, else analytic), "autotuned" (Registry.tune: the learned top 8 timed once on the shape) and
 "analytic". Every candidate is timed the same way in the same run: `calls` back-to-back launches between two CUDA
 events on the current torch stream, inputs rotated over enough sets to overflow L2, median of
 `repeats`. The registry's best also tries the run-time raster order / swizzle parameters on its three
@@ -98,7 +98,7 @@ def bench_shape(reg: Registry, m, n, k, dtype, gen, stream, explore: int = 3) ->
         raise RuntimeError(f"no kernel of the registry runs {m}x{n}x{k} {dtype}")
     selected = reg.select(problem).name  # the default: learned where a model applies, else analytic
     analytic = reg.select(problem, ranker="analytic").name
-    tuned_pick = reg.tune(problem, {"a": inp.a[0], "b": inp.bt[0].t(), "out": inp.d[0]}, top=5).name
+    tuned_pick = reg.tune(problem, {"a": inp.a[0], "b": inp.bt[0].t(), "out": inp.d[0]}).name
     best_default = min(per_kernel, key=per_kernel.get)
     tuned = {(name, 0, 0): ms for name, ms in per_kernel.items()}
     for name in sorted(per_kernel, key=per_kernel.get)[:explore]:
@@ -152,7 +152,7 @@ def plot(rows: list[dict], path: Path) -> None:
         xs = range(len(rs))
         for off, (field, label) in zip((-0.3, -0.1, 0.1, 0.3), (("cublas_tflops", "cuBLAS (torch.mm)"),
                                                           ("selected_tflops", "tiledispatch selected (learned)"),
-                                                          ("autotuned_tflops", "tiledispatch autotuned (top 5)"),
+                                                          ("autotuned_tflops", "tiledispatch autotuned (top 8)"),
                                                           ("best_tflops", "registry best (+raster/swizzle)"))):
             ax.bar([x + off for x in xs], [r[field] for r in rs], width=0.2, label=label)
         ax.set_xticks(list(xs))

@@ -3,7 +3,7 @@
     python bench/sweep_gemm.py BUNDLE_DIR --dtype fp16 --shapes 240 [--out bench/results/sweep_gemm_h100.json]
 
 Shapes: the benchmark suite of bench/gemm.py (kept for evaluation as unseen shapes) plus `--shapes` random
-ones drawn log-uniformly (M any integer 1..16384; N and K multiples of 8 up to 16384, as TMA needs 16-byte
+ones (with --structured: model-like shapes, multiples of 128 with skinny and long-K cases) or ones drawn log-uniformly (M any integer 1..16384; N and K multiples of 8 up to 16384, as TMA needs 16-byte
 rows; 40% of them at least 256 in every dimension), capped at about 2.2 TFLOP per call so that no shape dominates the run. Every kernel that can run a
 shape is timed as bench/gemm.py times candidates (back-to-back launches between CUDA events, inputs
 rotated over >= 3x L2, median of repeats), with the kernel's own raster/swizzle (params 0): exactly what
@@ -42,6 +42,30 @@ def random_shapes(count: int, seed: int) -> list[tuple[int, int, int]]:
     return out
 
 
+def structured_shapes(count: int, seed: int) -> list[tuple[int, int, int]]:
+    """Shapes as models and layers have them: dimensions that are multiples of 64 or 128 (or small
+    token counts for M), with skinny and long-K cases well represented."""
+    rng = random.Random(seed)
+    tokens = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]
+    out = []
+    while len(out) < count:
+        kind = rng.choice(("square", "skinny_m", "skinny_n", "long_k", "any"))
+        big = lambda lo=9: 128 * max(1, round(2 ** rng.uniform(lo, 14) / 128))  # noqa: E731
+        if kind == "square":
+            m = n = k = big(8)
+        elif kind == "skinny_m":
+            m, n, k = rng.choice(tokens), big(), big()
+        elif kind == "skinny_n":
+            m, n, k = big(), rng.choice(tokens[3:]), big()
+        elif kind == "long_k":
+            m, n, k = big(7), big(7), big(12)
+        else:
+            m, n, k = big(6), big(6), big(6)
+        if 2.0 * m * n * k <= MAX_FLOP and (m, n, k) not in out:
+            out.append((m, n, k))
+    return out
+
+
 def sweep_shape(reg, m: int, n: int, k: int, dtype: str, gen, stream: int) -> dict:
     inp = Inputs(m, n, k, dtype, gen)
     problem, _ = operands(inp.a[0][None], inp.bt[0].t()[None], inp.d[0][None])
@@ -65,6 +89,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="fp16")
     ap.add_argument("--shapes", type=int, default=240, help="random shapes besides the benchmark suite")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--structured", action="store_true", help="model-like shapes instead of log-uniform ones")
     ap.add_argument("--budget-s", type=float, default=400, help="stop adding shapes after this long")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "sweep_gemm_h100.json"))
     a = ap.parse_args()
@@ -73,8 +98,9 @@ def main() -> int:
     gen.manual_seed(11)
     stream = torch.cuda.current_stream().cuda_stream
     suite = [(m, n, k, "suite") for m, n, k in SHAPES]
+    draw, role = (structured_shapes, "structured") if a.structured else (random_shapes, "random")
     rows, start = [], time.time()
-    for i, (m, n, k, role) in enumerate(suite + [(*s, "random") for s in random_shapes(a.shapes, a.seed)]):
+    for i, (m, n, k, role) in enumerate(suite + [(*s, role) for s in draw(a.shapes, a.seed)]):
         if time.time() - start > a.budget_s:
             print(f"time budget reached after {len(rows)} shapes", flush=True)
             break
