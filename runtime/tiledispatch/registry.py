@@ -24,6 +24,7 @@ PLAN_CACHE_SIZE = 64
 TUNE_TOP = 8  # kernels timed by tuning: on held-out H100 shapes the fastest of the learned top 8 was within
               # 10% of the best on 97.6% of them (runtime/tiledispatch/models/cutlass_sm90a_gemm.json)
 NO_CLAMP = (float("-inf"), float("inf"))
+NO_PRINT = (None, None)  # fingerprint(None)
 
 
 class Kernel:
@@ -200,11 +201,12 @@ class Registry:
         dtypes, devices, alignment) reuses that call's validated Plan and only swaps pointers."""
         clamp = clamp if type(clamp) is tuple else tuple(clamp)
         if out is not None:
-            prints = [fingerprint(a), fingerprint(b), fingerprint(c), fingerprint(out), fingerprint(bias)]
+            prints = [fingerprint(a), fingerprint(b), NO_PRINT if c is None else fingerprint(c), fingerprint(out),
+                      NO_PRINT if bias is None else fingerprint(bias)]
             if residuals:
                 prints += [fingerprint(r) for r in residuals]
-            cache_key = (activation, alpha, beta, clamp, getattr(kernel, "name", kernel), stream, num_threads,
-                         *[p[1] for p in prints])
+            cache_key = (activation, alpha, beta, clamp, kernel if kernel is None or type(kernel) is str else kernel.name,
+                         stream, num_threads, *[p[1] for p in prints])
             plan = self._plans.get(cache_key)
             if plan is not None:
                 plan.launch(prints)
