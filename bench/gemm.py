@@ -111,12 +111,12 @@ def bench_shape(reg: Registry, m, n, k, dtype, gen, stream, explore: int = 3) ->
                 tuned[(name, raster, swizzle)] = timed(fn, stream)
     best, best_raster, best_swizzle = min(tuned, key=tuned.get)
     # The reported numbers: cuBLAS, the selected kernel (its own params) and the best variant, re-timed
-    # in three interleaved passes (median), so that clock drift and noise hit all three alike.
+    # in five interleaved passes (median), so that clock drift and noise hit all three alike.
     contenders = {"cublas": cublas, "selected": prepared(reg.kernel(selected)),
                   "autotuned": prepared(reg.kernel(tuned_pick)), "analytic": prepared(reg.kernel(analytic)),
                   "best": prepared(reg.kernel(best), best_raster, best_swizzle)}
     final = {name: [] for name in contenders}
-    for _ in range(3):
+    for _ in range(5):
         for name, fn in contenders.items():
             final[name].append(timed(fn, stream))
     ms = {name: statistics.median(v) for name, v in final.items()}
@@ -208,7 +208,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     result = {"machine": machine(), "bundles": manifests, "timing": "per candidate: median of 10 batches of "
               "back-to-back launches between CUDA events, inputs rotated over >= 3x L2; cuBLAS, selected, autotuned, "
-              "analytic and best re-timed so in 3 interleaved passes, median reported", "rows": rows, "summary": geo}
+              "analytic and best re-timed so in 5 interleaved passes, median reported", "rows": rows, "summary": geo}
     (out / f"gemm_{opts.tag}.json").write_text(json.dumps(result, indent=1))
     plot(rows, out / f"gemm_{opts.tag}.png")
     print(f"wrote {out / f'gemm_{opts.tag}.json'} and .png")
