@@ -110,8 +110,8 @@ def bench_shape(reg: Registry, m, n, k, dtype, gen, stream, explore: int = 3) ->
             if fn is not None:
                 tuned[(name, raster, swizzle)] = timed(fn, stream)
     best, best_raster, best_swizzle = min(tuned, key=tuned.get)
-    # The reported numbers: cuBLAS, the selected kernel (its own params) and the best variant, re-timed
-    # in five interleaved passes (median), so that clock drift and noise hit all three alike.
+    # The reported numbers: cuBLAS, the three picks (their own params) and the best variant, re-timed
+    # in five interleaved passes (median), so that clock drift and noise hit them alike.
     contenders = {"cublas": cublas, "selected": prepared(reg.kernel(selected)),
                   "autotuned": prepared(reg.kernel(tuned_pick)), "analytic": prepared(reg.kernel(analytic)),
                   "best": prepared(reg.kernel(best), best_raster, best_swizzle)}
