@@ -26,7 +26,10 @@ IGEMM = KernelKey(Signature("conv", "bf16", "bf16", "bf16", "fp32", "nhwgc", Epi
 SM90 = KernelKey(Signature("conv", "fp16", "fp16", "fp16", "fp32", "nhwgc", Epilogue(), "bwd_data", 2),
                  Algorithm((128, 64, 64), "tma_ws_conv", (4, 1, 1), (64, 64, 16), "data_parallel", 1, (1, 1, 1), 0),
                  "cutlass", "sm90a")
-KEYS = (DIRECT, IGEMM, SM90)(scope="module")
+KEYS = (DIRECT, IGEMM, SM90)
+
+
+@pytest.fixture(scope="module")
 def libraries(tmp_path_factory):
     built = compile_keys(cutlass, TOOLCHAIN, KEYS, tmp_path_factory.mktemp("cutlass_conv_compile"), 600)
     return {key: abi.KernelLibrary(lib) for key, (lib, _) in built.items()}
