@@ -146,7 +146,7 @@ def _problem(direction, n, c, k, sp, f, stride=1, pad=1):
 @pytest.mark.parametrize("direction", ["fwd", "bwd_data"])
 @pytest.mark.parametrize("shape", [
     (32, 64, 64, (56, 56), (3, 3)), (32, 256, 64, (56, 56), (1, 1)), (32, 256, 256, (14, 14), (3, 3)),
-    (8, 64, 64, (16, 56, 56), (3, 3, 3)), (16, 512, 512, (2048,), (3,)), (3, 32, 48, (67,), (5,)),
+    (8, 64, 64, (16, 56, 56), (3, 3, 3)), (16, 512, 512, (2048,), (3,)), (3, 96, 136, (67,), (5,)),
 ])
 def test_dense_problems_rank_tma_ws_conv_first(direction, shape):
     assert _ranked(_problem(direction, *shape))[0].algorithm.pipeline == "tma_ws_conv"
@@ -159,6 +159,14 @@ def test_bwd_weight_ranks_by_what_fills_the_gpu():
     # many output tiles (1024 x 9216): one CTA per tile fills the GPU, GMMA wins
     many = _problem("bwd_weight", 8, 1024, 1024, (14, 14), (3, 3))
     assert _ranked(many)[0].algorithm.pipeline == "tma_ws_conv"
+
+
+def test_per_tap_channel_padding_is_modelled():
+    # CUTLASS pads each tap's channels to the tile: C = 32 under a 64-deep k tile is half zeros
+    p = _problem("fwd", 3, 32, 48, (67,), (5,))
+    assert p.gemm_shape(key("fwd", 1))[2] == 5 * 64 and p.gemm_shape()[2] == 5 * 32
+    wgrad = _problem("bwd_weight", 32, 64, 64, (56, 56), (3, 3))
+    assert wgrad.gemm_shape(key("bwd_weight", 2, (64, 128, 64)))[1] == 9 * 128
 
 
 def test_strided_bwd_data_falls_back_to_implicit_gemm():
