@@ -18,6 +18,8 @@ TORCH_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.floa
 def kind_of(key) -> tuple[str, ...]:
     """Which problem kinds a kernel is meant for (what validation and benchmarks try it on)."""
     alg = key.algorithm
+    if alg.pipeline == "tma_ws_conv":  # CUTLASS's SM90 conv: groups = 1 only
+        return ("dense", "dense_wide")
     if alg.pipeline == "implicit_gemm":
         return ("dense", "g16", "g64")
     cpg = alg.extra("cutlass.cpg", 0)
@@ -26,6 +28,13 @@ def kind_of(key) -> tuple[str, ...]:
     if cpg == 4:
         return ("g4",)
     return ("g4", "depthwise", "multiplier", "odd")
+
+
+def expected_refusal(key, problem):
+    """The reason a kernel documents for refusing a problem of its kinds (td_can_run must say it), or None."""
+    if key.algorithm.pipeline == "tma_ws_conv" and problem.direction == "bwd_data" and set(problem.stride) != {1}:
+        return "unit stride"  # CUTLASS's SM90 dgrad has no strided variant; implicit_gemm covers it
+    return None
 
 
 class ConvLauncher:

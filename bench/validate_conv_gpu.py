@@ -2,13 +2,16 @@
 
     python bench/validate_conv_gpu.py BUNDLE_DIR [BUNDLE_DIR ...] [--json out.json]
 
-Per kernel: the problem kinds it is meant for (implicit_gemm: dense, C/G = 16, C/G = 64; direct: depthwise,
+Per kernel: the problem kinds it is meant for (tma_ws_conv: dense with channels below and above one 64-wide
+k tile; implicit_gemm: dense, C/G = 16, C/G = 64; direct: depthwise,
 C/G = 4, and for the generic direct kernel also channel multipliers and odd channel counts) in every
 geometry (stride 1/2 x dilation 1/2, all with asymmetric padding), random inputs (never zeros), the output
 poisoned with NaN first; pass = every element written and ||out - ref|| / ||ref|| within the rules'
-tolerance. Then per direction and rank, through the runtime's own selection on torch channels_last
+tolerance; a case the kernel documents it refuses (tma_ws_conv: strided bwd_data) passes when td_can_run
+refuses it with that reason. Then per direction and rank, through the runtime's own selection on torch channels_last
 tensors (groups=G form), against torch's float32 convolution; alpha/beta on one problem per kernel; and
-refusals (misaligned channels for implicit_gemm). Exit status 1 on any failure.
+refusals (misaligned channels for implicit_gemm and tma_ws_conv, groups > 1 for tma_ws_conv). Exit status 1
+on any failure.
 """
 from __future__ import annotations
 
@@ -21,12 +24,12 @@ import time
 import numpy as np
 import torch
 
-from _conv_common import TORCH_DTYPE, ConvLauncher, kind_of, machine
+from _conv_common import TORCH_DTYPE, ConvLauncher, expected_refusal, kind_of, machine
 from tiledispatch import abi, load, validation
 from tiledispatch.ops import conv
 
 # (G, C/G, K/G): a partial lane block, partial GEMM tiles
-KINDS = {"dense": (1, 32, 48), "g16": (4, 16, 16), "g64": (2, 64, 64), "g4": (32, 4, 4), "depthwise": (96, 1, 1),
+KINDS = {"dense": (1, 32, 48), "dense_wide": (1, 96, 136), "g16": (4, 16, 16), "g64": (2, 64, 64), "g4": (32, 4, 4), "depthwise": (96, 1, 1),
          "multiplier": (24, 1, 2), "odd": (6, 3, 5)}
 GEOMETRIES = {  # stride, dilation, pad_lo, pad_hi per dim (innermost last; cut to the rank)
     "s1d1": ((1, 1, 1), (1, 1, 1), (1, 0, 2), (0, 2, 1)),
@@ -80,6 +83,13 @@ def check_kernels(registries, cases_cache, rng) -> list[dict]:
                     cases_cache[ck] = make_case(rng, *ck)
                 p, host, expect = cases_cache[ck]
                 entry = {"kernel": kern.name, "problem": str(p), "kind": kind, "geometry": geometry}
+                refusal = expected_refusal(kern.key, p)
+                if refusal:
+                    status, reason = kern.library.can_run(conv.make_args(p, kern.key))
+                    entry.update(refused=reason, passed=status == abi.UNSUPPORTED and refusal in reason)
+                    fails += not entry["passed"]
+                    results.append(entry)
+                    continue
                 try:
                     dev = to_device(host, sig.dtype_a, conv.WRITES[p.direction])
                     out = run_kernel(kern, p, dev)
@@ -90,16 +100,20 @@ def check_kernels(registries, cases_cache, rng) -> list[dict]:
                 results.append(entry)
                 if not entry["passed"]:
                     print(f"  FAIL {kern.name} {kind} {geometry}: {entry.get('rel_error', entry.get('error'))}")
-            # alpha / beta: out = 0.75 conv - 1.25 out on the first kind, geometry s2d1
+            # alpha / beta: out = 0.75 conv - 1.25 out on the first kind, geometry s2d1 (s1d1 where s2d1 is refused)
             kind = kind_of(kern.key)[0]
-            p, host, expect = cases_cache[(sig.direction, sig.spatial_dims, kind, "s2d1", sig.dtype_a)]
+            geometry = "s2d1"
+            p, host, expect = cases_cache[(sig.direction, sig.spatial_dims, kind, geometry, sig.dtype_a)]
+            if expected_refusal(kern.key, p):
+                geometry = "s1d1"
+                p, host, expect = cases_cache[(sig.direction, sig.spatial_dims, kind, geometry, sig.dtype_a)]
             written = conv.WRITES[p.direction]
             host2 = dict(host)
             host2[written] = validation.random_array(rng, host[written].shape, sig.dtype_a)
             dev = {role: torch.from_numpy(a.astype(np.float32)).to("cuda", TORCH_DTYPE[sig.dtype_a])
                    for role, a in host2.items()}
             old = dev[written].double().cpu().numpy()
-            entry = {"kernel": kern.name, "problem": str(p), "kind": kind, "geometry": "s2d1", "alpha": 0.75,
+            entry = {"kernel": kern.name, "problem": str(p), "kind": kind, "geometry": geometry, "alpha": 0.75,
                      "beta": -1.25}
             try:
                 out = run_kernel(kern, p, dev, alpha=0.75, beta=-1.25)
@@ -185,20 +199,26 @@ def check_selection(registries) -> list[dict]:
 
 
 def check_refusals(registries) -> list[dict]:
-    """implicit_gemm refuses channel counts that are not multiples of 8; nothing is launched."""
+    """implicit_gemm and tma_ws_conv refuse channel counts that are not multiples of 8, tma_ws_conv refuses
+    groups > 1; nothing is launched."""
     results = []
     for reg in registries:
         for kern in reg.kernels:
-            if kern.key.algorithm.pipeline != "implicit_gemm":
+            pipeline = kern.key.algorithm.pipeline
+            if pipeline not in ("implicit_gemm", "tma_ws_conv"):
                 continue
             sig = kern.key.signature
-            p = conv.ConvProblem(sig.direction, 1, 2, 12, 16, (9,) * sig.spatial_dims, (3,) * sig.spatial_dims, 1, 1,
-                                 1, 1, sig.dtype_a, sig.dtype_a, sig.dtype_a)
-            status, reason = kern.library.can_run(conv.make_args(p, kern.key))
-            ok = status == abi.UNSUPPORTED and "multiples of 8" in reason
-            results.append({"kernel": kern.name, "refusal": True, "passed": ok, "reason": reason})
-            if not ok:
-                print(f"FAIL refusal {kern.name}: {status} {reason}")
+            cases = [(1 if pipeline == "tma_ws_conv" else 2, 12, 16, "multiples of 8")]
+            if pipeline == "tma_ws_conv":
+                cases.append((2, 64, 64, "groups = 1"))
+            for g, c, k, want in cases:
+                p = conv.ConvProblem(sig.direction, 1, g, c, k, (9,) * sig.spatial_dims, (3,) * sig.spatial_dims, 1,
+                                     1, 1, 1, sig.dtype_a, sig.dtype_a, sig.dtype_a)
+                status, reason = kern.library.can_run(conv.make_args(p, kern.key))
+                ok = status == abi.UNSUPPORTED and want in reason
+                results.append({"kernel": kern.name, "refusal": True, "passed": ok, "reason": reason})
+                if not ok:
+                    print(f"FAIL refusal {kern.name}: {status} {reason}")
     return results
 
 

@@ -1,6 +1,7 @@
 """cutlass conv kernels, compile only (no GPU): one direct and one implicit-GEMM kernel through nvcc for sm90a
-(a few seconds each: no CUTLASS headers involved), then their host code (key export, argument checks,
-workspace size) without a device. Skipped unless the cutlass toolchain (nvcc + headers) is present."""
+(a few seconds each: no CUTLASS headers involved) and one CUTLASS SM90 conv (tma_ws_conv, about a minute and
+3.3 GB), then their host code (key export, argument checks with their reasons, workspace size) without a
+device. Skipped unless the cutlass toolchain (nvcc + headers) is present."""
 from __future__ import annotations
 
 
@@ -21,15 +22,20 @@ DIRECT = KernelKey(Signature("conv", "fp16", "fp16", "fp16", "fp32", "nhwgc", Ep
 IGEMM = KernelKey(Signature("conv", "bf16", "bf16", "bf16", "fp32", "nhwgc", Epilogue(), "bwd_weight", 3),
                   Algorithm((64, 128, 32), "implicit_gemm", (2, 2, 1), (16, 8, 16), "data_parallel", 1, (1, 1, 1), 0),
                   "cutlass", "sm90a")
+# one of conv_fp16_bwd_essential's: bwd_data exercises the most refusals (groups, channels, stride, TMA limits)
+SM90 = KernelKey(Signature("conv", "fp16", "fp16", "fp16", "fp32", "nhwgc", Epilogue(), "bwd_data", 2),
+                 Algorithm((128, 64, 64), "tma_ws_conv", (4, 1, 1), (64, 64, 16), "data_parallel", 1, (1, 1, 1), 0),
+                 "cutlass", "sm90a")
+KEYS = (DIRECT, IGEMM, SM90)
 
 
 @pytest.fixture(scope="module")
 def libraries(tmp_path_factory):
-    built = compile_keys(cutlass, TOOLCHAIN, (DIRECT, IGEMM), tmp_path_factory.mktemp("cutlass_conv_compile"), 600)
+    built = compile_keys(cutlass, TOOLCHAIN, KEYS, tmp_path_factory.mktemp("cutlass_conv_compile"), 600)
     return {key: abi.KernelLibrary(lib) for key, (lib, _) in built.items()}
 
 
-@pytest.mark.parametrize("key", [DIRECT, IGEMM], ids=["direct", "implicit_gemm"])
+@pytest.mark.parametrize("key", KEYS, ids=["direct", "implicit_gemm", "tma_ws_conv"])
 def test_compiles_and_reports_its_key(libraries, key):
     lib = libraries[key]
     assert lib.abi_version() == abi.ABI_VERSION
@@ -56,3 +62,30 @@ def test_host_checks_without_a_device(libraries):
     assert lib.workspace_bytes(args) >= 64 * 27 * 64 * 4  # fp32 sums of dW
     status, reason = lib.run(args)  # refused before any launch: no workspace given
     assert status == abi.INVALID_ARGUMENT and "workspace" in reason
+
+
+def _refusal(lib, problem, key=SM90):
+    status, reason = lib.can_run(conv.make_args(problem, key))
+    assert status == abi.UNSUPPORTED, reason
+    return reason
+
+
+def test_sm90_host_checks_without_a_device(libraries):
+    lib = libraries[SM90]
+
+    def dgrad(g=1, c=64, k=64, stride=1, pad=1):
+        return conv.ConvProblem("bwd_data", 2, g, c, k, (14, 14), (3, 3), stride, 1, pad, pad, "fp16", "fp16", "fp16")
+
+    args = conv.make_args(dgrad(), SM90)
+    assert lib.can_run(args) == (abi.OK, "")  # our checks and CUTLASS's can_implement, host only
+    assert lib.workspace_bytes(args) == 0
+    assert "groups = 1" in _refusal(lib, dgrad(g=2)) and "direct or implicit_gemm" in _refusal(lib, dgrad(g=2))
+    assert "multiples of 8" in _refusal(lib, dgrad(c=12))
+    assert "unit stride" in _refusal(lib, dgrad(stride=2))
+    assert "pads at most 256" in _refusal(lib, dgrad(pad=300))
+    assert "2D convolution" in _refusal(lib, conv.ConvProblem("bwd_data", 2, 1, 64, 64, (5, 14, 14), (3, 3, 3), 1, 1, 1,
+                                                              1, "fp16", "fp16", "fp16"))
+    args = conv.make_args(dgrad(), SM90)
+    args.tensors[2].stride[0] += 4  # dY's batch stride no longer a multiple of 16 bytes
+    status, reason = lib.can_run(args)
+    assert status == abi.UNSUPPORTED and "16 bytes" in reason

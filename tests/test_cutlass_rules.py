@@ -120,9 +120,11 @@ def test_every_preselected_cutlass_kernel_renders():
         text = codegen.render(key)
         assert key.to_json() in text
         assert "{{" not in text and "{%" not in text
-        if key.signature.op == "gemm":  # conv kernels are the project's own CUDA (templates/cutlass/conv_*)
+        if key.signature.op == "gemm":
             assert ("CollectiveBuilder" in text) == (key.arch == "sm90a")
-        else:
+        elif key.algorithm.pipeline == "tma_ws_conv":  # CUTLASS's SM90 conv (dense)
+            assert "cutlass::conv::collective::CollectiveBuilder<" in text
+        else:  # the project's own conv CUDA (templates/cutlass/conv_*)
             assert "#include \"cutlass/" not in text and "__global__" in text
 
 

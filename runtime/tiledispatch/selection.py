@@ -26,14 +26,28 @@ def compute_units(backend: str, arch: str) -> int:
 def estimated_cost(problem, key) -> float:
     """Relative time of one kernel on one problem (lower is better); only the ranking matters."""
     tm, tn, tk = key.algorithm.tile
-    split = key.algorithm.split_k
     m, n, k, batch = gemm_view(problem, key)
-    tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch * split
-    waves = math.ceil(tiles / compute_units(key.backend, key.arch))
+    units = compute_units(key.backend, key.arch)
+    output_tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch
+    split = key.algorithm.split_k * _runtime_split(key, output_tiles, k, units)
+    tiles = output_tiles * split
+    waves = math.ceil(tiles / units)
     k_per_tile = math.ceil(math.ceil(k / split) / tk) * tk
     knee = rules.backend_rules(key.backend).get("selection", {}).get("intensity_knee", 64.0)
     efficiency = min(1.0, (tm * tn / (tm + tn)) / knee)
     return waves * tm * tn * k_per_tile / efficiency * rules.cost_factor(key)
+
+
+def _runtime_split(key, output_tiles: int, k: int, units: int) -> int:
+    """Reduction splits a kernel chooses at run time (rules' selection.runtime_splits): enough to fill the
+    given waves of blocks, at most one per k tile (the rule of templates/cutlass/conv_igemm.cu.j2)."""
+    waves = rules.runtime_split_waves(key)
+    if not waves:
+        return 1
+    ktiles = max(1, math.ceil(k / key.algorithm.tile[2]))
+    want = min(max(1, math.ceil(waves * units / output_tiles)), ktiles)
+    per = math.ceil(ktiles / want)
+    return math.ceil(ktiles / per)
 
 
 def analytic(problem, kernels) -> list:

@@ -1,8 +1,9 @@
-"""cutlass backend, grouped convolution: which templates a conv key uses and the values they see.
+"""cutlass backend, convolution: which templates a conv key uses and the values they see.
 
-The kernels are the project's own CUDA (templates/cutlass/conv_*.cu.j2), not CUTLASS instantiations:
-pipeline `direct` (CUDA cores, shared-memory halos, narrow groups and depthwise) and `implicit_gemm`
-(mma.sync tensor cores, dense and wide groups). See rules/cutlass.yaml for what the key fields mean.
+Pipelines `direct` (CUDA cores, shared-memory halos, narrow groups and depthwise) and `implicit_gemm`
+(mma.sync tensor cores, dense and wide groups) are the project's own CUDA (templates/cutlass/conv_*.cu.j2);
+`tma_ws_conv` instantiates CUTLASS 3.x's SM90 implicit-GEMM convolution (conv_sm90.cu.j2, groups = 1).
+See rules/cutlass.yaml for what the key fields mean.
 """
 from __future__ import annotations
 
@@ -14,12 +15,20 @@ _CTYPE = {"fp16": "__half", "bf16": "__nv_bfloat16", "fp32": "float"}
 _MMA_TYPE = {"fp16": "f16", "bf16": "bf16"}
 DEFAULT_STAGES = 3
 
+# tma_ws_conv: CUTLASS names per direction and rank
+_CUTLASS_ELEMENT = {"fp16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t"}
+_CUTLASS_OP = {"fwd": "kFprop", "bwd_data": "kDgrad", "bwd_weight": "kWgrad"}
+_ACT_LAYOUT = {1: "TensorNWC", 2: "TensorNHWC", 3: "TensorNDHWC"}   # activations, filters (K first) and dY
+_WGRAD_OUT_LAYOUT = {1: "TensorKCS", 2: "TensorKCSR", 3: "TensorKCSRT"}  # dW seen as K x (C, filter...)
+
 
 def templates(key: KernelKey) -> list[str]:
     sig, alg = key.signature, key.algorithm
     if alg.pipeline == "direct":
         main = "conv_direct_bwd_weight.cu.j2" if sig.direction == "bwd_weight" else "conv_direct.cu.j2"
         return [main, "_conv_common.j2", "_conv_direct.j2"]
+    if alg.pipeline == "tma_ws_conv":
+        return ["conv_sm90.cu.j2", "_conv_common.j2", "_tma_driver.j2"]
     return ["conv_igemm.cu.j2", "_conv_common.j2"]
 
 
@@ -36,7 +45,29 @@ def context(key: KernelKey) -> dict:
         cpg, kpg = alg.extra("cutlass.cpg", 0), alg.extra("cutlass.kpg", 0)
         lg, rg = (cpg, kpg) if sig.direction == "bwd_data" else (kpg, cpg)
         ctx.update(threads=alg.warps[0] * 32, lg=lg, rg=rg)
+    elif alg.pipeline == "tma_ws_conv":
+        ctx.update(_sm90_context(key))
     else:
         ctx.update(threads=alg.warps[0] * alg.warps[1] * 32, stages=alg.stages or DEFAULT_STAGES,
                    mma_type=_MMA_TYPE[sig.dtype_a])
     return ctx
+
+
+def _sm90_context(key: KernelKey) -> dict:
+    """CUTLASS types of a tma_ws_conv key: the operator, layouts, tile and epilogue per direction and rank."""
+    sig, alg = key.signature, key.algorithm
+    wgrad = sig.direction == "bwd_weight"
+    tm, tn, tk = alg.tile
+    return {
+        "element": _CUTLASS_ELEMENT[sig.dtype_a],
+        "conv_op": "cutlass::conv::Operator::" + _CUTLASS_OP[sig.direction],
+        "act_layout": "cutlass::layout::" + _ACT_LAYOUT[sig.spatial_dims],
+        "out_layout": "cutlass::layout::" + (_WGRAD_OUT_LAYOUT if wgrad else _ACT_LAYOUT)[sig.spatial_dims],
+        # the K mode of the tile is a rank-1 tuple (CUTLASS tiles the hierarchical (C, S, R, T) mode with it);
+        # so is bwd_weight's N mode, which is (C, S, R, T) there
+        "tile_shape": f"cute::Shape<cute::_{tm}, {f'cute::Shape<cute::_{tn}>' if wgrad else f'cute::_{tn}'}, "
+                      f"cute::Shape<cute::_{tk}>>",
+        # dY / dW of bwd_weight are small next to its reduction; CUTLASS's own wgrad kernels store directly
+        "epilogue_schedule": "cutlass::epilogue::" + ("NoSmemWarpSpecialized" if wgrad else "TmaWarpSpecialized"),
+        "align": 16 // dtype(sig.dtype_a).itemsize,
+    }

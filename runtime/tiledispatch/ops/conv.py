@@ -131,6 +131,17 @@ class ConvProblem:
         """(m, n, k, batch) of the GEMM the direction performs: one per group (batch G), or, for a key whose
         pipeline runs the channels of all groups as vector lanes ("direct"), one GEMM with G x channels columns."""
         cg, kg, taps = self.c // self.g, self.k // self.g, prod(self.filter_size)
+        if key is not None and key.algorithm.pipeline == "tma_ws_conv":
+            # CUTLASS tiles the channels of each filter tap separately (the (C, taps) mode is hierarchical):
+            # a tap's channels pad up to the tile, e.g. C = 64 under a 128-wide bwd_weight tile is half waste
+            def per_tap(ch, t):
+                return taps * -(-ch // t) * t
+            tm, tn, tk = key.algorithm.tile
+            if self.direction == "fwd":
+                return self.n * prod(self.out_size), kg, per_tap(cg, tk), self.g
+            if self.direction == "bwd_data":
+                return self.n * prod(self.in_size), cg, per_tap(kg, tk), self.g
+            return kg, per_tap(cg, tn), self.n * prod(self.out_size), self.g
         if key is not None and key.algorithm.pipeline == "direct":
             if self.direction == "fwd":
                 return self.n * prod(self.out_size), self.k, taps * cg, 1

@@ -164,6 +164,19 @@ def cost_factor(key: KernelKey) -> float:
     return factor
 
 
+@functools.lru_cache(maxsize=4096)
+def runtime_split_waves(key: KernelKey) -> int:
+    """The rules' selection.runtime_splits `waves` for the key (0 for none): a kernel that splits its reduction at
+    run time until its blocks fill that many waves of the GPU, which the analytic ranker must model."""
+    entries = (backend_rules(key.backend).get("selection") or {}).get("runtime_splits") or []
+    if entries:
+        ns = namespace(key)
+        for i, entry in enumerate(entries):
+            if _evaluate(entry["when"], ns, f"{key.backend}.selection.runtime_splits[{i}]"):
+                return int(entry["waves"])
+    return 0
+
+
 def _extra_value_ok(spec: dict, value: Any) -> bool:
     kind = spec["type"]
     if kind == "bool":

@@ -1,0 +1,183 @@
+"""cutlass tma_ws_conv (CUTLASS 3.x SM90 implicit-GEMM convolution, groups = 1) without nvcc or a GPU: legality
+rules with their ids, the CUTLASS types each direction and rank renders, and the analytic ranker's choice
+between it and the project's own kernels."""
+from __future__ import annotations
+
+import pytest
+
+from tiledispatch import backends, codegen, kernelset
+from tiledispatch.ops import conv
+from tiledispatch.selection import analytic, estimated_cost
+from tiledispatch.spec import rules
+from tiledispatch.spec.key import Algorithm, Epilogue, KernelKey, Signature, parse_kernel_name
+
+cutlass = backends.get("cutlass")
+
+
+def key(direction="fwd", rank=2, tile=(128, 128, 64), dtype="fp16", warps=(4, 1, 1), mma=None, cluster=(1, 1, 1),
+        stages=0, arch="sm90a", scheduler="data_parallel", epi=Epilogue(), extras=()) -> KernelKey:
+    mma = mma or (64, tile[1], 16)
+    return KernelKey(Signature("conv", dtype, dtype, dtype, "fp32", "nhwgc", epi, direction, rank),
+                     Algorithm(tile, "tma_ws_conv", warps, mma, scheduler, 1, cluster, stages, extras), "cutlass", arch)
+
+
+def broken(k) -> set[str]:
+    return {v.rule for v in rules.check(k)}
+
+
+LEGAL = [key(), key("bwd_data", 1, (128, 64, 64)), key("bwd_weight", 3, (64, 128, 64), "bf16"),
+         key(tile=(64, 256, 64), cluster=(2, 1, 1)), key("fwd", 3, cluster=(1, 2, 1), stages=4),
+         key("bwd_data", 2, cluster=(2, 2, 1), stages=6)]
+
+
+@pytest.mark.parametrize("k", LEGAL, ids=lambda k: k.name[:60])
+def test_legal_keys_pass_and_round_trip(k):
+    assert rules.check(k) == []
+    assert parse_kernel_name(k.name) == k
+
+
+@pytest.mark.parametrize("k, rule", [
+    (key(arch="sm80"), "cutlass.conv_sm90_arch"),
+    (key(dtype="fp32", tile=(128, 128, 32), mma=(64, 128, 8)), "cutlass.conv_sm90_dtype"),
+    (key(warps=(8, 1, 1)), "cutlass.conv_sm90_shape"),
+    (key(mma=(64, 64, 16)), "cutlass.conv_sm90_shape"),
+    (key(tile=(128, 256, 64)), "cutlass.conv_sm90_tile"),       # 256 accumulators per thread
+    (key(tile=(256, 64, 64)), "cutlass.conv_sm90_tile"),
+    (key(tile=(128, 96, 64)), "cutlass.conv_sm90_tile"),
+    (key(tile=(128, 128, 32)), "cutlass.conv_sm90_tile"),
+    (key(cluster=(4, 1, 1)), "cutlass.conv_sm90_cluster"),
+    (key(cluster=(1, 1, 2)), "cutlass.conv_sm90_cluster"),
+    (key(stages=9), "cutlass.conv_sm90_smem"),
+    (key(tile=(128, 128, 64), stages=8), "cutlass.conv_sm90_smem"),
+    (key(scheduler="persistent"), "cutlass.conv_scheduler"),
+    (key(epi=Epilogue("relu")), "cutlass.conv_epilogue"),
+    (key(epi=Epilogue(bias=True)), "cutlass.conv_epilogue"),
+    (key(extras=(("cutlass.cpg", 4), ("cutlass.kpg", 4))), "cutlass.conv_extras"),
+])
+def test_illegal_keys_name_their_rule(k, rule):
+    assert rule in broken(k)
+
+
+def test_tma_ws_conv_is_no_gemm_pipeline():
+    gemm = KernelKey(Signature("gemm", "fp16", "fp16", "fp16", "fp32", "rcr"),
+                     Algorithm((128, 128, 64), "tma_ws_conv", (4, 1, 1), (64, 128, 16), "persistent"), "cutlass", "sm90a")
+    assert "cutlass.conv_pipeline_not_gemm" in broken(gemm)
+
+
+def test_own_conv_pipelines_keep_cluster_1():
+    own = KernelKey(Signature("conv", "fp16", "fp16", "fp16", "fp32", "nhwgc", Epilogue(), "fwd", 2),
+                    Algorithm((128, 64, 32), "implicit_gemm", (2, 2, 1), (16, 8, 16), "data_parallel", 1, (2, 1, 1)),
+                    "cutlass", "sm90a")
+    assert "cutlass.conv_scheduler" in broken(own)
+
+
+@pytest.mark.parametrize("direction, rank, op, act, out", [
+    ("fwd", 1, "kFprop", "TensorNWC", "TensorNWC"),
+    ("fwd", 2, "kFprop", "TensorNHWC", "TensorNHWC"),
+    ("bwd_data", 3, "kDgrad", "TensorNDHWC", "TensorNDHWC"),
+    ("bwd_weight", 1, "kWgrad", "TensorNWC", "TensorKCS"),
+    ("bwd_weight", 2, "kWgrad", "TensorNHWC", "TensorKCSR"),
+    ("bwd_weight", 3, "kWgrad", "TensorNDHWC", "TensorKCSRT"),
+])
+def test_render_names_the_cutlass_types(direction, rank, op, act, out):
+    k = key(direction, rank, (64, 128, 64) if direction == "bwd_weight" else (128, 64, 64))
+    text = codegen.render(k)
+    assert k.to_json() in text and "{{" not in text and "{%" not in text
+    assert f"constexpr cutlass::conv::Operator CONV_OP = cutlass::conv::Operator::{op};" in text
+    assert "cutlass::conv::collective::CollectiveBuilder<" in text
+    assert "cutlass::conv::kernel::ConvUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>" in text
+    assert "cutlass::conv::KernelImplicitTmaWarpSpecializedSm90>" in text
+    assert f"Element, cutlass::layout::{act}, ALIGN, Element, cutlass::layout::{act}, ALIGN, float" in text
+    assert f"Element, cutlass::layout::{out}, ALIGN, Element, cutlass::layout::{out}, ALIGN" in text
+    assert "using Element = cutlass::half_t;" in text and "cuTensorMapEncodeIm2col" in text
+    if direction == "bwd_weight":  # N is the (C, filter...) mode: a rank-1 tile tuple, direct-store epilogue
+        assert "cute::Shape<cute::_64, cute::Shape<cute::_128>, cute::Shape<cute::_64>>" in text
+        assert "cutlass::epilogue::NoSmemWarpSpecialized" in text
+    else:
+        assert "cute::Shape<cute::_128, cute::_64, cute::Shape<cute::_64>>" in text
+        assert "cutlass::epilogue::TmaWarpSpecialized>" in text
+    assert "StageCountAutoCarveout" in text
+
+
+def test_render_shapes_cluster_stages_and_dtype():
+    text = codegen.render(key("bwd_data", 2, cluster=(2, 1, 1), stages=5, dtype="bf16"))
+    assert "using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;" in text
+    assert "cutlass::conv::collective::StageCount<5>," in text and "StageCountAutoCarveout" not in text
+    assert "using Element = cutlass::bfloat16_t;" in text and "using T = __nv_bfloat16;" in text
+    assert cutlass.templates(key()) == ["conv_sm90.cu.j2", "_conv_common.j2", "_tma_driver.j2"]
+
+
+def test_preselected_sets_have_every_direction_and_rank():
+    for name, directions in (("conv_fp16_fwd_essential", {"fwd"}),
+                             ("conv_fp16_bwd_essential", {"bwd_data", "bwd_weight"}),
+                             ("conv_fp16_all_essential", {"fwd", "bwd_data", "bwd_weight"})):
+        keys = [e.key for e in kernelset.load([name], "cutlass", "sm90a") if e.key.algorithm.pipeline == "tma_ws_conv"]
+        have = {(k.signature.direction, k.signature.spatial_dims) for k in keys}
+        assert have == {(d, r) for d in directions for r in (1, 2, 3)}, name
+        assert len(keys) <= 6 * len(directions)  # each costs ~60 s and ~3.3 GB of nvcc
+
+
+# ---- selection --------------------------------------------------------------------------------------
+class _Kernel:
+    def __init__(self, k):
+        self.key, self.name = k, k.name
+
+
+def _ranked(problem):
+    kernels = [_Kernel(e.key) for e in kernelset.load(["conv_fp16_all_essential"], "cutlass", "sm90a")
+               if problem.mismatch(e.key) is None and _could_run(problem, e.key)]
+    return [k.key for k in analytic(problem, kernels)]
+
+
+def _could_run(p, k) -> bool:
+    """What td_can_run decides on the device, for the pipelines that compete on dense problems."""
+    alg = k.algorithm
+    if alg.pipeline == "tma_ws_conv":
+        return p.g == 1 and (p.direction != "bwd_data" or set(p.stride) == {1})
+    return alg.pipeline == "implicit_gemm"
+
+
+def _problem(direction, n, c, k, sp, f, stride=1, pad=1):
+    r = len(sp)
+    return conv.ConvProblem(direction, n, 1, c, k, sp, f, (stride,) * r, (1,) * r, (pad,) * r, (pad,) * r,
+                            "fp16", "fp16", "fp16")
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd_data"])
+@pytest.mark.parametrize("shape", [
+    (32, 64, 64, (56, 56), (3, 3)), (32, 256, 64, (56, 56), (1, 1)), (32, 256, 256, (14, 14), (3, 3)),
+    (8, 64, 64, (16, 56, 56), (3, 3, 3)), (16, 512, 512, (2048,), (3,)), (3, 96, 136, (67,), (5,)),
+])
+def test_dense_problems_rank_tma_ws_conv_first(direction, shape):
+    assert _ranked(_problem(direction, *shape))[0].algorithm.pipeline == "tma_ws_conv"
+
+
+def test_bwd_weight_ranks_by_what_fills_the_gpu():
+    # few output tiles (K x taps*C = 64 x 576) and a pixel sum of 100k: implicit_gemm splits the sum at run time
+    few = _problem("bwd_weight", 32, 64, 64, (56, 56), (3, 3))
+    assert _ranked(few)[0].algorithm.pipeline == "implicit_gemm"
+    # many output tiles (1024 x 9216): one CTA per tile fills the GPU, GMMA wins
+    many = _problem("bwd_weight", 8, 1024, 1024, (14, 14), (3, 3))
+    assert _ranked(many)[0].algorithm.pipeline == "tma_ws_conv"
+
+
+def test_per_tap_channel_padding_is_modelled():
+    # CUTLASS pads each tap's channels to the tile: C = 32 under a 64-deep k tile is half zeros
+    p = _problem("fwd", 3, 32, 48, (67,), (5,))
+    assert p.gemm_shape(key("fwd", 1))[2] == 5 * 64 and p.gemm_shape()[2] == 5 * 32
+    wgrad = _problem("bwd_weight", 32, 64, 64, (56, 56), (3, 3))
+    assert wgrad.gemm_shape(key("bwd_weight", 2, (64, 128, 64)))[1] == 9 * 128
+
+
+def test_strided_bwd_data_falls_back_to_implicit_gemm():
+    p = _problem("bwd_data", 32, 64, 64, (56, 56), (3, 3), stride=2)
+    assert _ranked(p)[0].algorithm.pipeline == "implicit_gemm"
+
+
+def test_runtime_split_is_modelled_for_implicit_gemm_bwd_weight_only():
+    p = _problem("bwd_weight", 32, 64, 64, (56, 56), (3, 3))
+    own = KernelKey(Signature("conv", "fp16", "fp16", "fp16", "fp32", "nhwgc", Epilogue(), "bwd_weight", 2),
+                    Algorithm((64, 128, 32), "implicit_gemm", (2, 2, 1), (16, 8, 16), "data_parallel"), "cutlass", "sm90a")
+    assert rules.runtime_split_waves(own) == 2 and rules.runtime_split_waves(key("bwd_weight")) == 0
+    # 5 output tiles, the pixel sum split ~53 ways: about 2 waves of blocks instead of 5 blocks on 132 SMs
+    assert estimated_cost(p, own) < estimated_cost(p, key("bwd_weight", 2, (64, 128, 64))) / 5
