@@ -1,7 +1,7 @@
 # Helpers for one call on a lent GPU machine (source it from the repository root there):
 #   source bench/gpu_env.sh && td_setup && td_build "fp16_rcr_full" sm90a 420 pool && ...
 # td_setup installs the carried wheels (.whl: nvidia-cutlass headers, scons) and unpacks a carried
-# kernel cache (.dev/cache.tar.xz); td_pack_cache returns the cache entries built here under $OUT, so
+# kernel cache (every .dev/*.tar.xz); td_pack_cache returns the cache entries built here under $OUT, so
 # the next call (or this machine's user) need not compile them again.
 export PYTHONUNBUFFERED=1
 TD_CACHE=/tmp/tdcache
@@ -12,7 +12,7 @@ td_setup() {
     || return 1
   export PYTHONPATH=/tmp/site
   mkdir -p "$TD_CACHE"
-  if [ -f .dev/cache.tar.xz ]; then tar -xJf .dev/cache.tar.xz -C "$TD_CACHE"; fi
+  for f in .dev/*.tar.xz; do [ -f "$f" ] && tar -xJf "$f" -C "$TD_CACHE"; done
   touch /tmp/td_marker
   nvidia-smi --query-gpu=name,compute_cap,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
   nvcc --version | tail -2
