@@ -4,7 +4,7 @@
                          [--out bench/results] [--tag h100]
 
 Selection is reported three ways: "selected" (the default ranker: the shipped learned model where it
-applies, else analytic), "autotuned" (Registry.tune: the learned top 8 timed once on the shape) and
+applies, else analytic), "autotuned" (Registry.tune: the learned top 12 timed once on the shape) and
 "analytic". Every candidate is timed the same way in the same run: `calls` back-to-back launches between two CUDA
 events on the current torch stream, inputs rotated over enough sets to overflow L2, median of
 `repeats`. The registry's best also tries the run-time raster order / swizzle parameters on its three
@@ -152,7 +152,7 @@ def plot(rows: list[dict], path: Path) -> None:
         xs = range(len(rs))
         for off, (field, label) in zip((-0.3, -0.1, 0.1, 0.3), (("cublas_tflops", "cuBLAS (torch.mm)"),
                                                           ("selected_tflops", "tiledispatch selected (learned)"),
-                                                          ("autotuned_tflops", "tiledispatch autotuned (top 8)"),
+                                                          ("autotuned_tflops", "tiledispatch autotuned (top 12)"),
                                                           ("best_tflops", "registry best (+raster/swizzle)"))):
             ax.bar([x + off for x in xs], [r[field] for r in rs], width=0.2, label=label)
         ax.set_xticks(list(xs))

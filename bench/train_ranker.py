@@ -32,7 +32,7 @@ PARAMS = {"objective": "regression", "learning_rate": 0.05, "num_leaves": 31, "m
           "subsample": 0.85, "subsample_freq": 1, "colsample_bytree": 0.85, "reg_lambda": 0.5, "verbose": -1,
           "seed": 42, "deterministic": True, "num_threads": 2}
 ROUNDS = 300
-TUNE_TOP = 8  # Registry.tune's default: how many of the model's best-ranked kernels tuning times
+TUNE_TOP = 12  # Registry.tune's default: how many of the model's best-ranked kernels tuning times
 
 
 class _Named:  # what the rankers take: an object with .key and .name

@@ -127,7 +127,7 @@ def test_autotune_records_and_reuses_the_winner(gemm_bundle, cache_file):
     fits = reg.candidates(p)
     assert key == tuning.problem_key(p, [k.name for k in fits])
     assert rec["kernel"] == min(rec["times_ms"], key=rec["times_ms"].get)
-    assert 1 <= len(rec["times_ms"]) <= 8 and set(rec["times_ms"]) <= {k.name for k in fits}
+    assert 1 <= len(rec["times_ms"]) <= 12 and set(rec["times_ms"]) <= {k.name for k in fits}
 
     # a fresh registry (another process) selects the recorded kernel without timing: make the record
     # name the candidate the learned/analytic ranking puts last, so only the record can explain the pick
