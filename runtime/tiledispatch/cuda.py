@@ -136,7 +136,7 @@ def library_path() -> Optional[str]:
 
 # ---- devices ------------------------------------------------------------------------------------
 
-_ATTR_CC_MAJOR, _ATTR_CC_MINOR, _ATTR_SM_COUNT = 75, 76, 16
+_ATTR_CC_MAJOR, _ATTR_CC_MINOR, _ATTR_SM_COUNT, _ATTR_L2_BYTES = 75, 76, 16, 89
 
 
 def device_count() -> int:
@@ -164,6 +164,10 @@ def compute_capability(device: Optional[int] = None) -> tuple[int, int]:
 
 def multiprocessor_count(device: Optional[int] = None) -> int:
     return _attribute(_ATTR_SM_COUNT, current_device() if device is None else device)
+
+
+def l2_bytes(device: Optional[int] = None) -> int:
+    return _attribute(_ATTR_L2_BYTES, current_device() if device is None else device)
 
 
 def device_name(device: Optional[int] = None) -> str:
@@ -383,4 +387,29 @@ def time_calls(fn: Callable[[int], None], *, stream: int = 0, calls: int = 20, r
             i += 1
         timer.stop(stream)
         out.append(timer.elapsed_ms() / calls)
+    return out
+
+
+_flush_buffers: dict = {}  # device -> (pointer, bytes): twice the L2, allocated once
+
+
+def time_cold_calls(fn: Callable[[int], None], *, stream: int = 0, calls: int = 10) -> list[float]:
+    """Milliseconds of each of `calls` single calls of fn(i), each after the L2 cache was flushed (a
+    buffer of twice its size is cleared on the same stream first), so that no call finds its inputs
+    left in L2 by the one before: what a kernel costs on data it has not just touched."""
+    device = current_device()
+    if device not in _flush_buffers:
+        nbytes = 2 * l2_bytes(device)
+        _flush_buffers[device] = (malloc(nbytes), nbytes)
+    ptr, nbytes = _flush_buffers[device]
+    timer = Timer()
+    fn(0)  # warm-up: first-launch costs (module load, lazy init) stay out of the samples
+    out = []
+    for i in range(calls):
+        _check(runtime().cudaMemsetAsync(ctypes.c_void_p(ptr), i & 0xFF, nbytes, ctypes.c_void_p(stream)),
+               "cudaMemsetAsync")
+        timer.start(stream)
+        fn(i)
+        timer.stop(stream)
+        out.append(timer.elapsed_ms())
     return out
