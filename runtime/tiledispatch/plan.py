@@ -35,8 +35,8 @@ def _numpy_print(a) -> tuple[int, tuple]:
 
 
 def _torch_print(t) -> tuple[int, tuple]:
-    ptr = t.data_ptr()
-    return ptr, (t.shape, t.stride(), t.dtype, t.device, ptr & 15)
+    ptr = t.data_ptr()  # get_device(): the device index as an int (-1 on the CPU), cheaper than t.device
+    return ptr, (t.shape, t.stride(), t.dtype, t.get_device(), ptr & 15)
 
 
 def _cupy_print(x) -> tuple[int, tuple]:
