@@ -200,16 +200,20 @@ class Registry:
         A call with out given whose tensors and options match an earlier call's (shapes, strides,
         dtypes, devices, alignment) reuses that call's validated Plan and only swaps pointers."""
         clamp = clamp if type(clamp) is tuple else tuple(clamp)
-        if out is not None:
-            prints = [fingerprint(a), fingerprint(b), NO_PRINT if c is None else fingerprint(c), fingerprint(out),
-                      NO_PRINT if bias is None else fingerprint(bias)]
-            if residuals:
-                prints += [fingerprint(r) for r in residuals]
+        if out is not None:  # the fast path: as little Python as possible between the call and td_run
+            fa, fb, fo = fingerprint(a), fingerprint(b), fingerprint(out)
+            fc = NO_PRINT if c is None else fingerprint(c)
+            fbias = NO_PRINT if bias is None else fingerprint(bias)
             cache_key = (activation, alpha, beta, clamp, kernel if kernel is None or type(kernel) is str else kernel.name,
-                         stream, num_threads, *[p[1] for p in prints])
+                         stream, num_threads, fa[1], fb[1], fc[1], fo[1], fbias[1])
+            ptrs = (fa[0], fb[0], fc[0], fo[0], fbias[0])
+            if residuals:
+                rprints = [fingerprint(r) for r in residuals]
+                cache_key += tuple(p[1] for p in rprints)
+                ptrs += tuple(p[0] for p in rprints)
             plan = self._plans.get(cache_key)
             if plan is not None:
-                plan.launch(prints)
+                plan.launch_pointers(ptrs)
                 return out
         from .ops import gemm as gemm_op
 
