@@ -113,7 +113,8 @@ def test_render_shapes_cluster_stages_and_dtype():
 def test_bwd_weight_splits_the_batch_and_finalizes():
     text = codegen.render(key("bwd_weight", 2, (64, 128, 64)))
     assert "using ElementOut = float;" in text
-    assert "constexpr int UNITS = 132;" in text and "constexpr int MAX_SLICES = 28;" in text
+    assert "constexpr int UNITS = 132;" in text and "constexpr int MAX_SLICES = 32;" in text
+    assert "constexpr int MAX_SLICES = 28;" in codegen.render(key("bwd_weight", 3, (64, 128, 64)))
     # one launch over every slice (grid z), each CTA taking its slice's Params from a __grid_constant__ array
     assert "wgrad_slices(const __grid_constant__ SliceParams sp)" in text and "op(sp.p[blockIdx.z], smem);" in text
     assert "cudaFuncSetAttribute(wgrad_slices," in text and "grid.z = unsigned(sp.slices);" in text
@@ -210,7 +211,7 @@ def test_runtime_split_is_modelled_for_bwd_weight_only(monkeypatch):
     assert rules.runtime_split_waves(own) == 2 and rules.runtime_split(own).get("over") is None
     tma = key("bwd_weight", 2, (64, 128, 64))
     assert rules.runtime_split(tma) == {"when": rules.runtime_split(tma)["when"], "waves": 1, "over": "batch",
-                                        "max_splits": 28}
+                                        "max_splits": 32}
     assert rules.runtime_split_waves(key("fwd")) == 0 and rules.runtime_split_waves(key("bwd_data")) == 0
     # 9 output tiles, the batch of 32 in 14 slices (126 CTAs on 132 SMs; the largest slice 3 images): the
     # estimate is 3/32 of the unsplit kernel's (one wave of 9 CTAs over all 32 images)
@@ -220,16 +221,18 @@ def test_runtime_split_is_modelled_for_bwd_weight_only(monkeypatch):
 
 
 @pytest.mark.parametrize("n, c, k, sp, f, slices", [
-    (32, 64, 64, (56, 56), (3, 3), 14),      # 9 tiles (C = 64 pads to 128 per tap): floor(132 / 9)
-    (32, 256, 64, (56, 56), (1, 1), 28),     # 2 tiles: capped by max_splits (kernel parameter space)
+    (32, 64, 64, (56, 56), (3, 3), 11),      # 9 tiles (C = 64 pads to 128 per tap): at most floor(132 / 9) = 14,
+    #                                          then the fewest with the largest slice of 3 images: 11
+    (32, 256, 64, (56, 56), (1, 1), 32),     # 2 tiles: at most max_splits (32 in 2D, kernel parameter space)
+    (32, 64, 64, (8, 56, 56), (1, 1, 1), 16),  # 3D: at most 28, then the fewest with 2 images each
     (32, 256, 256, (14, 14), (3, 3), 1),     # 72 tiles of 64 x 128: no room for a second slice
     (8, 64, 64, (16, 56, 56), (3, 3, 3), 4), # 27 tiles: 4 slices of 2 images
     (3, 64, 64, (9, 9), (3, 3), 3),          # at most one slice per image
     (5, 512, 256, (9,), (3,), 2),            # 4 x 12 tiles: 2 slices of 3 and 2 images
 ])
 def test_batch_split_of_tma_ws_conv_bwd_weight(n, c, k, sp, f, slices):
-    """The rule the kernel applies (_conv_sm90_wgrad.j2: S = min(N, max_splits, max(1, floor(SMs / tiles)))) and
-    the ranker models; the largest slice sets the reduction length."""
+    """The rule the kernel applies (_conv_sm90_wgrad.j2: at most min(N, max_splits, max(1, floor(SMs / tiles))),
+    then the fewest slices with the same largest slice) and the ranker models."""
     from tiledispatch.selection import _runtime_split, gemm_view
     p = _problem("bwd_weight", n, c, k, sp, f, pad=1 if f[0] == 3 else 0)
     kk = key("bwd_weight", len(sp), (64, 128, 64))

@@ -54,7 +54,8 @@ def _runtime_split(problem, key, output_tiles: int, k: int, units: int) -> int:
         return 1
     if entry.get("over") == "batch":
         want = max(1, waves * units // output_tiles)  # whole waves: a partial second wave costs a full one
-        return min(problem.n, int(entry.get("max_splits", problem.n)), want)
+        most = min(problem.n, int(entry.get("max_splits", problem.n)), want)
+        return -(-problem.n // -(-problem.n // most))  # the fewest slices with the same largest slice
     ktiles = max(1, math.ceil(k / key.algorithm.tile[2]))
     want = min(max(1, math.ceil(waves * units / output_tiles)), ktiles)
     per = math.ceil(ktiles / want)
