@@ -10,8 +10,9 @@ poisoned with NaN first; pass = every element written and ||out - ref|| / ||ref|
 tolerance; a case the kernel documents it refuses (tma_ws_conv: strided bwd_data) passes when td_can_run
 refuses it with that reason. Then per direction and rank, through the runtime's own selection on torch channels_last
 tensors (groups=G form), against torch's float32 convolution; alpha/beta on one problem per kernel; and
-refusals (misaligned channels for implicit_gemm and tma_ws_conv, groups > 1 for tma_ws_conv). Exit status 1
-on any failure.
+refusals (misaligned channels for implicit_gemm and tma_ws_conv, groups > 1 for tma_ws_conv); tma_ws_conv
+bwd_weight's batch split with S = N, S > 1 not dividing N and S = 1, each with beta = 0 and alpha/beta. Exit
+status 1 on any failure.
 """
 from __future__ import annotations
 
@@ -127,6 +128,79 @@ def check_kernels(registries, cases_cache, rng) -> list[dict]:
     return results
 
 
+# tma_ws_conv bwd_weight splits the batch into S slices (templates/cutlass/_conv_sm90_wgrad.j2); per rank, problems
+# (N, C, K, spatial, filter) tried in order until each wanted kind of split is found for the kernel's tile:
+# S = N (few tiles), S > 1 not dividing N (uneven slices), S = 1 (tiles fill the GPU); each also with alpha/beta.
+SPLIT_PROBLEMS = {
+    1: [(3, 64, 64, (37,), (5,)), (7, 64, 512, (13,), (5,)), (3, 1024, 1024, (9,), (5,))],
+    2: [(3, 64, 64, (9, 11), (3, 3)), (5, 512, 64, (7, 9), (3, 3)), (3, 512, 512, (7, 9), (3, 3))],
+    3: [(3, 32, 48, (3, 5, 7), (3, 3, 3)), (5, 64, 64, (3, 5, 7), (3, 3, 3)), (3, 256, 256, (3, 5, 7), (3, 3, 3))],
+}
+
+
+def batch_slices(p, key) -> int:
+    """The S the kernel picks (the ranker models the same rule)."""
+    from tiledispatch.selection import _runtime_split, compute_units, gemm_view
+    m, n, k, batch = gemm_view(p, key)
+    tm, tn, _ = key.algorithm.tile
+    tiles = -(-m // tm) * -(-n // tn) * batch
+    return _runtime_split(p, key, tiles, k, compute_units(key.backend, key.arch))
+
+
+def split_cases(key) -> list:
+    """[(label, problem)] for a tma_ws_conv bwd_weight key: S == N > 1, S > 1 with N % S != 0, S == 1."""
+    rank = key.signature.spatial_dims
+    want = {"S=N": lambda s, n: 1 < s == n, "S!|N": lambda s, n: s > 1 and n % s, "S=1": lambda s, n: s == 1}
+    found = {}
+    for n, c, k, sp, f in SPLIT_PROBLEMS[rank]:
+        p = conv.ConvProblem("bwd_weight", n, 1, c, k, sp, f, (1,) * rank, (1,) * rank, (1,) * rank, (0,) * rank,
+                             key.signature.dtype_a, key.signature.dtype_a, key.signature.dtype_a)
+        s = batch_slices(p, key)
+        for label, ok in want.items():
+            if label not in found and ok(s, n):
+                found[label] = (f"{label} (S={s}, N={n})", p)
+    missing = set(want) - set(found)
+    if missing:
+        raise RuntimeError(f"{key.name}: no SPLIT_PROBLEMS case for {sorted(missing)}")
+    return list(found.values())
+
+
+def check_splits(registries, rng) -> list[dict]:
+    """tma_ws_conv bwd_weight's batch split: every kind of split, with beta = 0 and with alpha/beta."""
+    results = []
+    for reg in registries:
+        for kern in reg.kernels:
+            k = kern.key
+            if k.algorithm.pipeline != "tma_ws_conv" or k.signature.direction != "bwd_weight":
+                continue
+            try:
+                cases = split_cases(k)
+            except RuntimeError as e:  # a tile SPLIT_PROBLEMS does not cover: a failure, not a crash
+                results.append({"kernel": kern.name, "split": "cases", "passed": False, "error": str(e)})
+                print(f"FAIL split cases: {e}", flush=True)
+                continue
+            for label, p in cases:
+                host, expect = validation.conv_case(p, rng)
+                for alpha, beta in ((1.0, 0.0), (0.75, -1.25)):
+                    entry = {"kernel": kern.name, "problem": str(p), "split": label, "alpha": alpha, "beta": beta}
+                    try:
+                        if beta:
+                            host = dict(host, w=validation.random_array(rng, host["w"].shape, k.signature.dtype_a))
+                            dev = {r: torch.from_numpy(a.astype(np.float32)).to("cuda", TORCH_DTYPE[k.signature.dtype_a])
+                                   for r, a in host.items()}
+                            ref = alpha * expect + beta * dev["w"].double().cpu().numpy()
+                        else:
+                            dev, ref = to_device(host, k.signature.dtype_a, "w"), expect
+                        out = run_kernel(kern, p, dev, alpha=alpha, beta=beta)
+                        entry.update(validation.compare(out, ref, k))
+                    except Exception as e:  # noqa: BLE001
+                        entry.update(passed=False, error=str(e)[:400])
+                    results.append(entry)
+                    print(f"{'ok  ' if entry['passed'] else 'FAIL'} split {label} alpha {alpha} beta {beta} "
+                          f"{kern.name[:70]}: {entry.get('rel_error', entry.get('error'))}", flush=True)
+    return results
+
+
 def torch_reference(direction, x, w, dy, stride, dilation, pad_lo, pad_hi, groups):
     """float32 torch result with asymmetric padding (pad first, convolve unpadded, crop)."""
     rank = x.dim() - 2
@@ -231,6 +305,7 @@ def main() -> int:
     rng = np.random.default_rng(2026)
     t0 = time.time()
     results = check_kernels(registries, {}, rng)
+    results += check_splits(registries, rng)
     results += check_selection(registries)
     results += check_refusals(registries)
     failed = [r for r in results if not r["passed"]]

@@ -22,9 +22,11 @@ DIRECT = KernelKey(Signature("conv", "fp16", "fp16", "fp16", "fp32", "nhwgc", Ep
 IGEMM = KernelKey(Signature("conv", "bf16", "bf16", "bf16", "fp32", "nhwgc", Epilogue(), "bwd_weight", 3),
                   Algorithm((64, 128, 32), "implicit_gemm", (2, 2, 1), (16, 8, 16), "data_parallel", 1, (1, 1, 1), 0),
                   "cutlass", "sm90a")
-# one of conv_fp16_bwd_essential's: bwd_data exercises the most refusals (groups, channels, stride, TMA limits)
-SM90 = KernelKey(Signature("conv", "fp16", "fp16", "fp16", "fp32", "nhwgc", Epilogue(), "bwd_data", 2),
-                 Algorithm((128, 64, 64), "tma_ws_conv", (4, 1, 1), (64, 64, 16), "data_parallel", 1, (1, 1, 1), 0),
+# one of conv_fp16_bwd_essential's: bwd_weight has the most host code of its own (the batch split: slices,
+# workspace) besides the shared refusals (groups, channels, TMA limits, strides); bwd_data's unit-stride
+# refusal is checked on the GPU (bench/validate_conv_gpu.py)
+SM90 = KernelKey(Signature("conv", "fp16", "fp16", "fp16", "fp32", "nhwgc", Epilogue(), "bwd_weight", 2),
+                 Algorithm((64, 128, 64), "tma_ws_conv", (4, 1, 1), (64, 128, 16), "data_parallel", 1, (1, 1, 1), 0),
                  "cutlass", "sm90a")
 KEYS = (DIRECT, IGEMM, SM90)
 
@@ -73,19 +75,31 @@ def _refusal(lib, problem, key=SM90):
 def test_sm90_host_checks_without_a_device(libraries):
     lib = libraries[SM90]
 
-    def dgrad(g=1, c=64, k=64, stride=1, pad=1):
-        return conv.ConvProblem("bwd_data", 2, g, c, k, (14, 14), (3, 3), stride, 1, pad, pad, "fp16", "fp16", "fp16")
+    def wgrad(n=2, g=1, c=64, k=64, stride=1, pad=1, size=(14, 14), filt=(3, 3)):
+        return conv.ConvProblem("bwd_weight", n, g, c, k, size, filt, stride, 1, pad, pad, "fp16", "fp16", "fp16")
 
-    args = conv.make_args(dgrad(), SM90)
-    assert lib.can_run(args) == (abi.OK, "")  # our checks and CUTLASS's can_implement, host only
-    assert lib.workspace_bytes(args) == 0
-    assert "groups = 1" in _refusal(lib, dgrad(g=2)) and "direct or implicit_gemm" in _refusal(lib, dgrad(g=2))
-    assert "multiples of 8" in _refusal(lib, dgrad(c=12))
-    assert "unit stride" in _refusal(lib, dgrad(stride=2))
-    assert "pads at most 256" in _refusal(lib, dgrad(pad=300))
-    assert "2D convolution" in _refusal(lib, conv.ConvProblem("bwd_data", 2, 1, 64, 64, (5, 14, 14), (3, 3, 3), 1, 1, 1,
-                                                              1, "fp16", "fp16", "fp16"))
-    args = conv.make_args(dgrad(), SM90)
-    args.tensors[2].stride[0] += 4  # dY's batch stride no longer a multiple of 16 bytes
+    args = conv.make_args(wgrad(), SM90)
+    assert lib.can_run(args) == (abi.OK, "")  # our checks and CUTLASS's can_implement on both slice sizes, host only
+    # the batch split, decided without a device: at most min(N, 32, floor(132 / tiles)), then the fewest slices
+    # with the same largest slice; S fp32 partials of K x taps x C
+    # (tiles: K / 64 x taps x ceil(C / 128), C padded per tap)
+    for problem, slices in ((wgrad(), 2), (wgrad(n=32, size=(56, 56)), 11), (wgrad(n=5, c=512), 3),
+                            (wgrad(n=32, c=256, k=64, pad=0, filt=(1, 1)), 32), (wgrad(n=8, c=512, k=512), 1)):
+        elems = problem.k * problem.c * 9 // (9 if problem.filter_size == (1, 1) else 1)
+        assert lib.workspace_bytes(conv.make_args(problem, SM90)) == -(-slices * elems * 4 // 256) * 256, problem
+    assert lib.can_run(conv.make_args(wgrad(n=5, c=512, stride=2), SM90)) == (abi.OK, "")
+    assert "groups = 1" in _refusal(lib, wgrad(g=2)) and "direct or implicit_gemm" in _refusal(lib, wgrad(g=2))
+    assert "multiples of 8" in _refusal(lib, wgrad(c=12))
+    assert "pads at most 256" in _refusal(lib, wgrad(pad=300))
+    assert "2D convolution" in _refusal(lib, conv.ConvProblem("bwd_weight", 2, 1, 64, 64, (5, 14, 14), (3, 3, 3), 1, 1,
+                                                              1, 1, "fp16", "fp16", "fp16"))
+    args = conv.make_args(wgrad(), SM90)
+    args.tensors[0].stride[0] += 4  # X's batch stride no longer a multiple of 16 bytes
     status, reason = lib.can_run(args)
     assert status == abi.UNSUPPORTED and "16 bytes" in reason
+    args = conv.make_args(wgrad(), SM90)
+    args.tensors[2].stride[0] += 8  # dY no longer packed
+    status, reason = lib.can_run(args)
+    assert status == abi.UNSUPPORTED and "packed" in reason
+    status, reason = lib.run(conv.make_args(wgrad(), SM90))  # refused before any launch: no device here
+    assert status != abi.OK and reason

@@ -88,7 +88,10 @@ def test_render_names_the_cutlass_types(direction, rank, op, act, out):
     assert "cutlass::conv::kernel::ConvUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>" in text
     assert "cutlass::conv::KernelImplicitTmaWarpSpecializedSm90>" in text
     assert f"Element, cutlass::layout::{act}, ALIGN, Element, cutlass::layout::{act}, ALIGN, float" in text
-    assert f"Element, cutlass::layout::{out}, ALIGN, Element, cutlass::layout::{out}, ALIGN" in text
+    if direction == "bwd_weight":  # fp32 partial dW per batch slice
+        assert f"ElementOut, cutlass::layout::{out}, OUT_ALIGN, ElementOut, cutlass::layout::{out}, OUT_ALIGN" in text
+    else:
+        assert f"Element, cutlass::layout::{out}, ALIGN, Element, cutlass::layout::{out}, ALIGN" in text
     assert "using Element = cutlass::half_t;" in text and "cuTensorMapEncodeIm2col" in text
     if direction == "bwd_weight":  # N is the (C, filter...) mode: a rank-1 tile tuple, direct-store epilogue
         assert "cute::Shape<cute::_64, cute::Shape<cute::_128>, cute::Shape<cute::_64>>" in text
@@ -105,6 +108,32 @@ def test_render_shapes_cluster_stages_and_dtype():
     assert "cutlass::conv::collective::StageCount<5>," in text and "StageCountAutoCarveout" not in text
     assert "using Element = cutlass::bfloat16_t;" in text and "using T = __nv_bfloat16;" in text
     assert cutlass.templates(key()) == ["conv_sm90.cu.j2", "_conv_common.j2", "_tma_driver.j2"]
+
+
+def test_bwd_weight_splits_the_batch_and_finalizes():
+    text = codegen.render(key("bwd_weight", 2, (64, 128, 64)))
+    assert "using ElementOut = float;" in text
+    assert "constexpr int UNITS = 132;" in text and "constexpr int MAX_SLICES = 32;" in text
+    assert "constexpr int MAX_SLICES = 28;" in codegen.render(key("bwd_weight", 3, (64, 128, 64)))
+    # one launch over every slice (grid z), each CTA taking its slice's Params from a __grid_constant__ array
+    assert "wgrad_slices(const __grid_constant__ SliceParams sp)" in text and "op(sp.p[blockIdx.z], smem);" in text
+    assert "cudaFuncSetAttribute(wgrad_slices," in text and "grid.z = unsigned(sp.slices);" in text
+    # slices of whole images, fp32 partials with alpha 1 / beta 0, then the finalize kernel applies alpha / beta
+    assert "static td_args slice_args(const td_args* args, int n0, int count)" in text
+    assert "arguments.epilogue.thread.beta = 0.0f;" in text
+    assert "__global__ void finalize_slices(" in text and "tdk::finalize_slices<<<" in text
+    assert "std::max(1, UNITS / sp.tiles)" in text
+    assert cutlass.templates(key("bwd_weight")) == ["conv_sm90.cu.j2", "_conv_common.j2", "_tma_driver.j2",
+                                                    "_conv_sm90_wgrad.j2", "_conv_sm90_wgrad_abi.j2"]
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd_data"])
+def test_fwd_and_bwd_data_keep_the_unsplit_kernel(direction):
+    text = codegen.render(key(direction, 2, (128, 64, 64)))
+    for split_only in ("ElementOut", "wgrad_slices", "finalize_slices", "SliceParams", "MAX_SLICES"):
+        assert split_only not in text
+    assert "cudaFuncSetAttribute(cutlass::device_kernel<ConvKernel>," in text
+    assert "tdk::Conv::run(params, stream);" in text and "Conv::get_workspace_size(arguments);" in text
 
 
 def test_preselected_sets_have_every_direction_and_rank():
@@ -152,13 +181,14 @@ def test_dense_problems_rank_tma_ws_conv_first(direction, shape):
     assert _ranked(_problem(direction, *shape))[0].algorithm.pipeline == "tma_ws_conv"
 
 
-def test_bwd_weight_ranks_by_what_fills_the_gpu():
-    # few output tiles (K x taps*C = 64 x 576) and a pixel sum of 100k: implicit_gemm splits the sum at run time
-    few = _problem("bwd_weight", 32, 64, 64, (56, 56), (3, 3))
-    assert _ranked(few)[0].algorithm.pipeline == "implicit_gemm"
-    # many output tiles (1024 x 9216): one CTA per tile fills the GPU, GMMA wins
-    many = _problem("bwd_weight", 8, 1024, 1024, (14, 14), (3, 3))
-    assert _ranked(many)[0].algorithm.pipeline == "tma_ws_conv"
+@pytest.mark.parametrize("shape", [
+    (32, 64, 64, (56, 56), (3, 3)), (32, 256, 64, (56, 56), (1, 1)), (32, 256, 256, (14, 14), (3, 3)),
+    (8, 64, 64, (16, 56, 56), (3, 3, 3)), (16, 512, 512, (2048,), (3,)), (8, 1024, 1024, (14, 14), (3, 3)),
+])
+def test_dense_bwd_weight_ranks_tma_ws_conv_first(shape):
+    # few output tiles (K x taps*C = 64 x 576) and a pixel sum of 100k: tma_ws_conv splits the batch into slices
+    # that fill the GPU; many output tiles (1024 x 9216): one CTA per tile fills it unsplit
+    assert _ranked(_problem("bwd_weight", *shape))[0].algorithm.pipeline == "tma_ws_conv"
 
 
 def test_per_tap_channel_padding_is_modelled():
@@ -174,10 +204,38 @@ def test_strided_bwd_data_falls_back_to_implicit_gemm():
     assert _ranked(p)[0].algorithm.pipeline == "implicit_gemm"
 
 
-def test_runtime_split_is_modelled_for_implicit_gemm_bwd_weight_only():
+def test_runtime_split_is_modelled_for_bwd_weight_only(monkeypatch):
     p = _problem("bwd_weight", 32, 64, 64, (56, 56), (3, 3))
     own = KernelKey(Signature("conv", "fp16", "fp16", "fp16", "fp32", "nhwgc", Epilogue(), "bwd_weight", 2),
                     Algorithm((64, 128, 32), "implicit_gemm", (2, 2, 1), (16, 8, 16), "data_parallel"), "cutlass", "sm90a")
-    assert rules.runtime_split_waves(own) == 2 and rules.runtime_split_waves(key("bwd_weight")) == 0
-    # 5 output tiles, the pixel sum split ~53 ways: about 2 waves of blocks instead of 5 blocks on 132 SMs
-    assert estimated_cost(p, own) < estimated_cost(p, key("bwd_weight", 2, (64, 128, 64))) / 5
+    assert rules.runtime_split_waves(own) == 2 and rules.runtime_split(own).get("over") is None
+    tma = key("bwd_weight", 2, (64, 128, 64))
+    assert rules.runtime_split(tma) == {"when": rules.runtime_split(tma)["when"], "waves": 1, "over": "batch",
+                                        "max_splits": 32}
+    assert rules.runtime_split_waves(key("fwd")) == 0 and rules.runtime_split_waves(key("bwd_data")) == 0
+    # 9 output tiles, the batch of 32 in 14 slices (126 CTAs on 132 SMs; the largest slice 3 images): the
+    # estimate is 3/32 of the unsplit kernel's (one wave of 9 CTAs over all 32 images)
+    split = estimated_cost(p, tma)
+    monkeypatch.setattr(rules, "runtime_split", lambda k: {})
+    assert split == pytest.approx(estimated_cost(p, tma) * 3 / 32)
+
+
+@pytest.mark.parametrize("n, c, k, sp, f, slices", [
+    (32, 64, 64, (56, 56), (3, 3), 11),      # 9 tiles (C = 64 pads to 128 per tap): at most floor(132 / 9) = 14,
+    #                                          then the fewest with the largest slice of 3 images: 11
+    (32, 256, 64, (56, 56), (1, 1), 32),     # 2 tiles: at most max_splits (32 in 2D, kernel parameter space)
+    (32, 64, 64, (8, 56, 56), (1, 1, 1), 16),  # 3D: at most 28, then the fewest with 2 images each
+    (32, 256, 256, (14, 14), (3, 3), 1),     # 72 tiles of 64 x 128: no room for a second slice
+    (8, 64, 64, (16, 56, 56), (3, 3, 3), 4), # 27 tiles: 4 slices of 2 images
+    (3, 64, 64, (9, 9), (3, 3), 3),          # at most one slice per image
+    (5, 512, 256, (9,), (3,), 2),            # 4 x 12 tiles: 2 slices of 3 and 2 images
+])
+def test_batch_split_of_tma_ws_conv_bwd_weight(n, c, k, sp, f, slices):
+    """The rule the kernel applies (_conv_sm90_wgrad.j2: at most min(N, max_splits, max(1, floor(SMs / tiles))),
+    then the fewest slices with the same largest slice) and the ranker models."""
+    from tiledispatch.selection import _runtime_split, gemm_view
+    p = _problem("bwd_weight", n, c, k, sp, f, pad=1 if f[0] == 3 else 0)
+    kk = key("bwd_weight", len(sp), (64, 128, 64))
+    m, nn, red, batch = gemm_view(p, kk)
+    tiles = -(-m // 64) * -(-nn // 128) * batch
+    assert _runtime_split(p, kk, tiles, red, 132) == slices

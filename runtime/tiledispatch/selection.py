@@ -29,21 +29,33 @@ def estimated_cost(problem, key) -> float:
     m, n, k, batch = gemm_view(problem, key)
     units = compute_units(key.backend, key.arch)
     output_tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch
-    split = key.algorithm.split_k * _runtime_split(key, output_tiles, k, units)
+    runtime = _runtime_split(problem, key, output_tiles, k, units)
+    split = key.algorithm.split_k * runtime
     tiles = output_tiles * split
     waves = math.ceil(tiles / units)
-    k_per_tile = math.ceil(math.ceil(k / split) / tk) * tk
+    if runtime > 1 and rules.runtime_split(key).get("over") == "batch":  # the largest slice: ceil(N / S) images
+        images = problem.n
+        k_slice = math.ceil(images / runtime) * (k // images)
+    else:
+        k_slice = math.ceil(k / split)
+    k_per_tile = math.ceil(k_slice / tk) * tk
     knee = rules.backend_rules(key.backend).get("selection", {}).get("intensity_knee", 64.0)
     efficiency = min(1.0, (tm * tn / (tm + tn)) / knee)
     return waves * tm * tn * k_per_tile / efficiency * rules.cost_factor(key)
 
 
-def _runtime_split(key, output_tiles: int, k: int, units: int) -> int:
+def _runtime_split(problem, key, output_tiles: int, k: int, units: int) -> int:
     """Reduction splits a kernel chooses at run time (rules' selection.runtime_splits): enough to fill the
-    given waves of blocks, at most one per k tile (the rule of templates/cutlass/conv_igemm.cu.j2)."""
-    waves = rules.runtime_split_waves(key)
+    given waves of blocks, at most one per k tile (the rule of templates/cutlass/conv_igemm.cu.j2), or, split
+    over the batch, at most one per image and max_splits (templates/cutlass/_conv_sm90_wgrad.j2)."""
+    entry = rules.runtime_split(key)
+    waves = int(entry.get("waves", 0))
     if not waves:
         return 1
+    if entry.get("over") == "batch":
+        want = max(1, waves * units // output_tiles)  # whole waves: a partial second wave costs a full one
+        most = min(problem.n, int(entry.get("max_splits", problem.n)), want)
+        return -(-problem.n // -(-problem.n // most))  # the fewest slices with the same largest slice
     ktiles = max(1, math.ceil(k / key.algorithm.tile[2]))
     want = min(max(1, math.ceil(waves * units / output_tiles)), ktiles)
     per = math.ceil(ktiles / want)

@@ -28,7 +28,8 @@ def templates(key: KernelKey) -> list[str]:
         main = "conv_direct_bwd_weight.cu.j2" if sig.direction == "bwd_weight" else "conv_direct.cu.j2"
         return [main, "_conv_common.j2", "_conv_direct.j2"]
     if alg.pipeline == "tma_ws_conv":
-        return ["conv_sm90.cu.j2", "_conv_common.j2", "_tma_driver.j2"]
+        wgrad = ["_conv_sm90_wgrad.j2", "_conv_sm90_wgrad_abi.j2"] if sig.direction == "bwd_weight" else []
+        return ["conv_sm90.cu.j2", "_conv_common.j2", "_tma_driver.j2"] + wgrad
     return ["conv_igemm.cu.j2", "_conv_common.j2"]
 
 
@@ -70,4 +71,11 @@ def _sm90_context(key: KernelKey) -> dict:
         # dY / dW of bwd_weight are small next to its reduction; CUTLASS's own wgrad kernels store directly
         "epilogue_schedule": "cutlass::epilogue::" + ("NoSmemWarpSpecialized" if wgrad else "TmaWarpSpecialized"),
         "align": 16 // dtype(sig.dtype_a).itemsize,
+        # bwd_weight writes fp32 partial dW per batch slice (the workspace) through its own launch of the
+        # kernel (wgrad_slices, grid z = slice), then finalize_slices sums and converts them into W
+        "out_element": "ElementOut" if wgrad else "Element",
+        "out_align": "OUT_ALIGN" if wgrad else "ALIGN",
+        "launched_kernel": "wgrad_slices" if wgrad else "cutlass::device_kernel<ConvKernel>",
+        "compute_units": rules.archs("cutlass")[key.arch]["compute_units"],
+        "max_slices": rules.runtime_split(key).get("max_splits", 1),
     }

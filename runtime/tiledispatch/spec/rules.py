@@ -165,16 +165,23 @@ def cost_factor(key: KernelKey) -> float:
 
 
 @functools.lru_cache(maxsize=4096)
-def runtime_split_waves(key: KernelKey) -> int:
-    """The rules' selection.runtime_splits `waves` for the key (0 for none): a kernel that splits its reduction at
-    run time until its blocks fill that many waves of the GPU, which the analytic ranker must model."""
+def runtime_split(key: KernelKey) -> dict:
+    """The rules' selection.runtime_splits entry for the key ({} for none): a kernel that splits its reduction at
+    run time until its blocks fill `waves` waves of the GPU, which the analytic ranker must model; `over` says
+    what it splits (k: the reduction's k tiles, the default; batch: whole images, at most N slices) and
+    `max_splits` caps the count."""
     entries = (backend_rules(key.backend).get("selection") or {}).get("runtime_splits") or []
     if entries:
         ns = namespace(key)
         for i, entry in enumerate(entries):
             if _evaluate(entry["when"], ns, f"{key.backend}.selection.runtime_splits[{i}]"):
-                return int(entry["waves"])
-    return 0
+                return dict(entry)
+    return {}
+
+
+def runtime_split_waves(key: KernelKey) -> int:
+    """The `waves` of the key's runtime split (0 for none)."""
+    return int(runtime_split(key).get("waves", 0))
 
 
 def _extra_value_ok(spec: dict, value: Any) -> bool:
