@@ -147,9 +147,14 @@ class Registry:
                 if status != abi.OK:
                     raise_for_status(kern, status, reason)
 
-            times[kern.name] = tuning.time_ms(launch, self.device, args.stream)
+            try:
+                times[kern.name] = tuning.time_ms(launch, self.device, args.stream)
+            except UnsupportedProblemError:  # refused at launch (e.g. by CUTLASS): not a candidate after all
+                continue
         if saved is not None:
             arrays.restore(operands.out, saved)
+        if not times:
+            raise UnsupportedProblemError(f"every candidate refused {problem} at launch")
         winner = min(times, key=times.get)
         self.tuning.put(self._identity(), tuning.problem_key(problem, [k.name for k in fits]),
                         tuning.record(winner, times))
