@@ -107,13 +107,13 @@ class Plan:
         prints: their fingerprints in td_args slot order, when the caller has them already."""
         if prints is None:
             prints = [fingerprint(t) for t in self._ops.tensors_in_slot_order(tensors)]
-        if self._args is None or tuple(p[1] for p in prints) != self._prints:
+        if self._args is None or tuple([p[1] for p in prints]) != self._prints:
             self._prepare(tensors, prints)
-        self.launch(prints)
+        self.launch_pointers(tuple([p[0] for p in prints]))
 
     def launch(self, prints: list) -> None:
         """The fast path: tensors whose fingerprints equal the validated ones (the caller checked)."""
-        self.launch_pointers(tuple(p[0] for p in prints))
+        self.launch_pointers(tuple([p[0] for p in prints]))
 
     def launch_pointers(self, ptrs: tuple) -> None:
         """launch() given the tensors' data pointers in slot order; only pointers that changed since the
