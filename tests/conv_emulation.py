@@ -35,8 +35,10 @@ def cuda_include() -> str | None:
     return None
 
 
-def conv_key(direction, rank, pipeline, tile, mma, warps, dtype="fp16", cpg=0, kpg=0, stages=0) -> KernelKey:
+def conv_key(direction, rank, pipeline, tile, mma, warps, dtype="fp16", cpg=0, kpg=0, stages=0, fx=0, fy=0) -> KernelKey:
     extras = (("cutlass.cpg", cpg), ("cutlass.kpg", kpg)) if cpg else ()
+    extras += (("cutlass.fx", fx),) if fx else ()
+    extras += (("cutlass.fy", fy),) if fy else ()
     return KernelKey(Signature("conv", dtype, dtype, dtype, "fp32", "nhwgc", Epilogue(), direction, rank),
                      Algorithm(tuple(tile), pipeline, tuple(warps), tuple(mma), "data_parallel", 1, (1, 1, 1), stages,
                                extras), "cutlass", "sm90a")
@@ -73,13 +75,20 @@ GEOMETRIES = {
     "s1d2": ((1, 1, 1), (2, 2, 2), (2, 1, 0), (1, 0, 3)),
     "s2d2": ((2, 2, 2), (2, 2, 2), (1, 2, 0), (0, 1, 2)),
 }
+# strides / dilations differing between H and W (2D: the last two entries), for the compile-time filter's
+# register window, whose use depends on W's and (bwd_data) H's stride
+MIXED_GEOMETRIES = {
+    "sh2dw2": ((1, 2, 1), (1, 1, 2), (1, 2, 0), (2, 0, 1)),  # 2D: stride (2, 1), dilation (1, 2)
+    "sw2dh2": ((1, 1, 2), (1, 2, 1), (0, 1, 2), (1, 2, 0)),  # 2D: stride (1, 2), dilation (2, 1)
+}
 SIZES = {1: (2, (23,), (3,)), 2: (2, (9, 10), (3, 2)), 3: (1, (5, 6, 7), (3, 2, 3))}  # N, spatial, filter
 
 
-def case(rng, direction, rank, kind, geometry, dtype="fp16"):
-    n, in_size, filt = SIZES[rank]
+def case(rng, direction, rank, kind, geometry, dtype="fp16", sizes=None):
+    """sizes: (N, spatial, filter) instead of SIZES[rank] (a compile-time filter needs its own)."""
+    n, in_size, filt = sizes or SIZES[rank]
     g, cg, kg = KINDS[kind]
-    stride, dilation, pad_lo, pad_hi = (v[-rank:] for v in GEOMETRIES[geometry])
+    stride, dilation, pad_lo, pad_hi = (v[-rank:] for v in {**GEOMETRIES, **MIXED_GEOMETRIES}[geometry])
     p = conv.ConvProblem(direction, n, g, g * cg, g * kg, in_size, filt, stride, dilation, pad_lo, pad_hi,
                          dtype, dtype, dtype)
     data, expect = validation.conv_case(p, rng)
@@ -99,9 +108,9 @@ def run(lib: abi.KernelLibrary, key: KernelKey, p, data, alpha=1.0, beta=0.0):
     return status, reason, data[conv.WRITES[p.direction]]
 
 
-def check(lib, key, direction, rank, kind, geometry, seed=0):
+def check(lib, key, direction, rank, kind, geometry, seed=0, sizes=None):
     rng = np.random.default_rng(seed)
-    p, data, expect = case(rng, direction, rank, kind, geometry, key.signature.dtype_a)
+    p, data, expect = case(rng, direction, rank, kind, geometry, key.signature.dtype_a, sizes)
     status, reason, out = run(lib, key, p, data)
     if status != abi.OK:
         return {"passed": False, "status": status, "reason": reason, "problem": str(p)}

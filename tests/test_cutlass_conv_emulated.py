@@ -20,9 +20,10 @@ DIRECTIONS = ("fwd", "bwd_data", "bwd_weight")
 DIRECT_TILE = {1: (32, 16, 1), 2: (8, 16, 4), 3: (8, 16, 2)}
 
 
-def direct(direction, rank, vl=4, cpg=0, kpg=0, dtype="fp16"):
-    mm = 2 if direction == "bwd_weight" else 4
-    return ce.conv_key(direction, rank, "direct", DIRECT_TILE[rank], (mm, vl, 1), (2, 1, 1), dtype, cpg, kpg)
+def direct(direction, rank, vl=4, cpg=0, kpg=0, dtype="fp16", fx=0, fy=0, tile=None, mm=None):
+    mm = mm or (2 if direction == "bwd_weight" else 4)
+    return ce.conv_key(direction, rank, "direct", tile or DIRECT_TILE[rank], (mm, vl, 1), (2, 1, 1), dtype, cpg, kpg,
+                       fx=fx, fy=fy)
 
 
 def igemm(direction, rank, dtype="fp16"):
@@ -38,6 +39,28 @@ for d in DIRECTIONS:
         CASES.append((direct(d, r, vl=8, cpg=1, kpg=1, dtype="bf16" if r == 2 else "fp16"), ("depthwise",), geos))
         CASES.append((igemm(d, r, dtype="bf16" if r == 3 else "fp16"), ("dense", "g16"), geos))
     CASES.append((direct(d, 2, cpg=4, kpg=4), ("g4",), ("s1d1", "s2d1")))
+
+
+# compile-time filter (cutlass.fx / cutlass.fy): the register window along W (fwd: stride 1 / dilation 1, stride 1 /
+# dilation 2, stride 2 / dilation 1; bwd_data: unit stride, dilation 1 or 2) and the unrolled per-tap loop of the
+# other geometries, with asymmetric padding; (key, kind, filter size, geometries)
+def _filter_sizes(rank, f):
+    return {1: (2, (4 * f + 9,), (f,)), 2: (2, (2 * f + 5, 2 * f + 8), (f, f)), 3: (1, (5, 2 * f + 3, 2 * f + 4), (3, f, f))}[rank]
+
+
+ALL_2D = tuple(ce.GEOMETRIES) + tuple(ce.MIXED_GEOMETRIES)
+FILTER_CASES = []
+for d in ("fwd", "bwd_data"):
+    FILTER_CASES += [
+        (direct(d, 2, cpg=1, kpg=1, fx=3, fy=3), "depthwise", 3, ALL_2D),
+        # two pixel groups per thread (PPT 2), 8 lanes per thread, bf16
+        (direct(d, 2, vl=8, cpg=1, kpg=1, fx=7, fy=7, tile=(16, 32, 8), dtype="bf16"), "depthwise", 7, ALL_2D),
+        (direct(d, 2, cpg=4, kpg=4, fx=3, fy=3), "g4", 3, ALL_2D),
+        (direct(d, 2, cpg=1, kpg=2, fx=3, fy=3), "multiplier", 3, ("s1d1", "s2d1", "s1d2")),
+        (direct(d, 2, cpg=1, kpg=1, fx=5, fy=3, mm=8), "depthwise", (3, 5), ("s1d1", "s2d2", "sh2dw2", "sw2dh2")),
+        (direct(d, 1, vl=8, cpg=1, kpg=1, fx=4), "depthwise", 4, tuple(ce.GEOMETRIES)),
+        (direct(d, 3, cpg=1, kpg=1, fx=3, fy=3), "depthwise", 3, ("s1d1", "s2d1", "s1d2")),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -113,3 +136,51 @@ def test_shared_memory_fallbacks(libs, direction, smem_limit):
         if not res["passed"]:
             failures.append(f"{kind} {geo}: {res}")
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("key,kind,f,geos", FILTER_CASES, ids=lambda v: v.name[:40] + v.name[-24:]
+                         if hasattr(v, "name") else None)
+def test_compile_time_filter_matches_reference(libs, key, kind, f, geos):
+    cache, tmp = libs
+    lib = cache.setdefault(key.name, ce.build(key, tmp))
+    sig = key.signature
+    fy, fx = f if isinstance(f, tuple) else (f, f)
+    sizes = _filter_sizes(sig.spatial_dims, fx)
+    sizes = (sizes[0], sizes[1], sizes[2][:-2] + (fy, fx)) if sig.spatial_dims > 1 else sizes
+    failures = []
+    for i, geo in enumerate(geos):
+        res = ce.check(lib, key, sig.direction, sig.spatial_dims, kind, geo, seed=i, sizes=sizes)
+        if not res["passed"]:
+            failures.append(f"{kind} {geo}: {res}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("direction", ("fwd", "bwd_data"))
+def test_compile_time_filter_one_plane(libs, direction):
+    """3D halos taken one depth plane at a time (small shared memory) through the register window."""
+    cache, tmp = libs
+    key = direct(direction, 3, cpg=1, kpg=1, fx=3, fy=3)
+    lib = cache.setdefault(f"{key.name}_9000", ce.build(key, tmp, smem_limit=9000))
+    failures = []
+    for i, geo in enumerate(("s1d1", "s2d2", "s1d2")):
+        res = ce.check(lib, key, direction, 3, "depthwise", geo, seed=i, sizes=_filter_sizes(3, 3))
+        if not res["passed"]:
+            failures.append(f"{geo}: {res}")
+    assert not failures, "\n".join(failures)
+
+
+def test_compile_time_filter_refusals(libs):
+    """A kernel compiled for one filter size refuses another, naming both (selection then takes another kernel)."""
+    cache, tmp = libs
+    key = direct("fwd", 2, cpg=1, kpg=1, fx=3, fy=3)
+    lib = cache.setdefault(key.name, ce.build(key, tmp))
+    p = conv.ConvProblem("fwd", 1, 8, 8, 8, (9, 9), (5, 3), 1, 1, 1, 1, "fp16", "fp16", "fp16")
+    status, reason = lib.can_run(conv.make_args(p, key))
+    assert status == abi.UNSUPPORTED and "3 x 3 filter" in reason and "filter is 5 x 3" in reason
+    p = conv.ConvProblem("fwd", 1, 8, 8, 8, (9, 9), (3, 3), 1, 1, 1, 1, "fp16", "fp16", "fp16")
+    assert lib.can_run(conv.make_args(p, key)) == (abi.OK, "")
+    key = direct("bwd_data", 1, vl=8, cpg=1, kpg=1, fx=4)
+    lib = cache.setdefault(key.name, ce.build(key, tmp))
+    p = conv.ConvProblem("bwd_data", 1, 8, 8, 8, (20,), (3,), 1, 1, 1, 1, "fp16", "fp16", "fp16")
+    status, reason = lib.can_run(conv.make_args(p, key))
+    assert status == abi.UNSUPPORTED and "filter width 4" in reason and "has width 3" in reason

@@ -45,7 +45,8 @@ def context(key: KernelKey) -> dict:
         # lanes per group (LG) and reduction channels per group (RG), 0 = read at run time
         cpg, kpg = alg.extra("cutlass.cpg", 0), alg.extra("cutlass.kpg", 0)
         lg, rg = (cpg, kpg) if sig.direction == "bwd_data" else (kpg, cpg)
-        ctx.update(threads=alg.warps[0] * 32, lg=lg, rg=rg)
+        # compile-time filter width / height (cutlass.fx / cutlass.fy), 0 = read at run time
+        ctx.update(threads=alg.warps[0] * 32, lg=lg, rg=rg, fx=alg.extra("cutlass.fx", 0), fy=alg.extra("cutlass.fy", 0))
     elif alg.pipeline == "tma_ws_conv":
         ctx.update(_sm90_context(key))
     else:
