@@ -41,8 +41,18 @@ GEOMETRIES = {  # stride, dilation, pad_lo, pad_hi per dim (innermost last; cut 
 SIZES = {1: (3, (67,), (5,)), 2: (2, (19, 23), (3, 3)), 3: (2, (5, 9, 11), (3, 3, 3))}  # N, spatial, filter
 
 
-def make_case(rng, direction, rank, kind, geometry, dtype):
-    n, in_size, filt = SIZES[rank]
+def filter_of(key, rank) -> tuple[int, ...]:
+    """The filter the kernel's cases use: SIZES', or the kernel's compile-time one (cutlass.fx / cutlass.fy)."""
+    filt = SIZES[rank][2]
+    fx, fy = key.algorithm.extra("cutlass.fx", 0), key.algorithm.extra("cutlass.fy", 0)
+    if not fx:
+        return filt
+    return (fx,) if rank == 1 else filt[:-2] + (fy, fx)
+
+
+def make_case(rng, direction, rank, kind, geometry, dtype, filt=None):
+    n, in_size, default_filt = SIZES[rank]
+    filt = filt or default_filt
     g, cg, kg = KINDS[kind]
     stride, dilation, pad_lo, pad_hi = (v[-rank:] for v in GEOMETRIES[geometry])
     p = conv.ConvProblem(direction, n, g, g * cg, g * kg, in_size, filt, stride, dilation, pad_lo, pad_hi,
@@ -79,7 +89,7 @@ def check_kernels(registries, cases_cache, rng) -> list[dict]:
             t0 = time.time()
             fails = 0
             for kind, geometry in itertools.product(kind_of(kern.key), GEOMETRIES):
-                ck = (sig.direction, sig.spatial_dims, kind, geometry, sig.dtype_a)
+                ck = (sig.direction, sig.spatial_dims, kind, geometry, sig.dtype_a, filter_of(kern.key, sig.spatial_dims))
                 if ck not in cases_cache:
                     cases_cache[ck] = make_case(rng, *ck)
                 p, host, expect = cases_cache[ck]
@@ -104,10 +114,11 @@ def check_kernels(registries, cases_cache, rng) -> list[dict]:
             # alpha / beta: out = 0.75 conv - 1.25 out on the first kind, geometry s2d1 (s1d1 where s2d1 is refused)
             kind = kind_of(kern.key)[0]
             geometry = "s2d1"
-            p, host, expect = cases_cache[(sig.direction, sig.spatial_dims, kind, geometry, sig.dtype_a)]
+            filt = filter_of(kern.key, sig.spatial_dims)
+            p, host, expect = cases_cache[(sig.direction, sig.spatial_dims, kind, geometry, sig.dtype_a, filt)]
             if expected_refusal(kern.key, p):
                 geometry = "s1d1"
-                p, host, expect = cases_cache[(sig.direction, sig.spatial_dims, kind, geometry, sig.dtype_a)]
+                p, host, expect = cases_cache[(sig.direction, sig.spatial_dims, kind, geometry, sig.dtype_a, filt)]
             written = conv.WRITES[p.direction]
             host2 = dict(host)
             host2[written] = validation.random_array(rng, host[written].shape, sig.dtype_a)

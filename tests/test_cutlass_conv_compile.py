@@ -19,6 +19,11 @@ pytestmark = pytest.mark.skipif(TOOLCHAIN is None, reason=f"cutlass toolchain mi
 DIRECT = KernelKey(Signature("conv", "fp16", "fp16", "fp16", "fp32", "nhwgc", Epilogue(), "fwd", 2),
                    Algorithm((16, 64, 8), "direct", (8, 1, 1), (4, 8, 1), "data_parallel", 1, (1, 1, 1), 0,
                              (("cutlass.cpg", 1), ("cutlass.kpg", 1))), "cutlass", "sm90a")
+# compile-time 3x3 filter (cutlass.fx / cutlass.fy): the register-window instances of fwd
+DIRECT_FX = KernelKey(Signature("conv", "fp16", "fp16", "fp16", "fp32", "nhwgc", Epilogue(), "fwd", 2),
+                      Algorithm((32, 64, 8), "direct", (8, 1, 1), (8, 4, 1), "data_parallel", 1, (1, 1, 1), 0,
+                                (("cutlass.cpg", 1), ("cutlass.fx", 3), ("cutlass.fy", 3), ("cutlass.kpg", 1))),
+                      "cutlass", "sm90a")
 IGEMM = KernelKey(Signature("conv", "bf16", "bf16", "bf16", "fp32", "nhwgc", Epilogue(), "bwd_weight", 3),
                   Algorithm((64, 128, 32), "implicit_gemm", (2, 2, 1), (16, 8, 16), "data_parallel", 1, (1, 1, 1), 0),
                   "cutlass", "sm90a")
@@ -28,7 +33,7 @@ IGEMM = KernelKey(Signature("conv", "bf16", "bf16", "bf16", "fp32", "nhwgc", Epi
 SM90 = KernelKey(Signature("conv", "fp16", "fp16", "fp16", "fp32", "nhwgc", Epilogue(), "bwd_weight", 2),
                  Algorithm((64, 128, 64), "tma_ws_conv", (4, 1, 1), (64, 128, 16), "data_parallel", 1, (1, 1, 1), 0),
                  "cutlass", "sm90a")
-KEYS = (DIRECT, IGEMM, SM90)
+KEYS = (DIRECT, IGEMM, SM90, DIRECT_FX)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +42,7 @@ def libraries(tmp_path_factory):
     return {key: abi.KernelLibrary(lib) for key, (lib, _) in built.items()}
 
 
-@pytest.mark.parametrize("key", KEYS, ids=["direct", "implicit_gemm", "tma_ws_conv"])
+@pytest.mark.parametrize("key", KEYS, ids=["direct", "implicit_gemm", "tma_ws_conv", "direct_fx"])
 def test_compiles_and_reports_its_key(libraries, key):
     lib = libraries[key]
     assert lib.abi_version() == abi.ABI_VERSION
@@ -56,6 +61,12 @@ def test_host_checks_without_a_device(libraries):
     args.params[0] = 3
     status, reason = lib.can_run(args)
     assert status == abi.UNSUPPORTED and "2D convolution" in reason
+
+    lib = libraries[DIRECT_FX]
+    assert lib.can_run(conv.make_args(dw, DIRECT_FX)) == (abi.OK, "")
+    dw5 = conv.ConvProblem("fwd", 32, 128, 128, 128, (56, 56), (5, 5), 1, 1, 2, 2, "fp16", "fp16", "fp16")
+    status, reason = lib.can_run(conv.make_args(dw5, DIRECT_FX))
+    assert status == abi.UNSUPPORTED and "3 x 3 filter" in reason and "filter is 5 x 5" in reason
 
     lib = libraries[IGEMM]
     video = conv.ConvProblem("bwd_weight", 8, 1, 64, 64, (16, 56, 56), (3, 3, 3), 1, 1, 1, 1, "bf16", "bf16", "bf16")

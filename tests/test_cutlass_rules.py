@@ -159,3 +159,59 @@ def test_arch_detection_mapping():
     assert cutlass._arch_of("9.0") == "sm90a"
     assert cutlass._arch_of("8.6") == "sm80" and cutlass._arch_of("8.0") == "sm80"
     assert cutlass._arch_of("7.5") is None and cutlass._arch_of("10.0") is None
+
+
+def direct_conv(direction="fwd", rank=2, extras=(), tile=(32, 64, 8), mma=(8, 4, 1), pipeline="direct"):
+    warps, stages = ((8, 1, 1), 0) if pipeline == "direct" else ((2, 2, 1), 3)
+    if pipeline == "implicit_gemm":
+        tile, mma = (64, 64, 32), (16, 8, 16)
+    return KernelKey(Signature("conv", "fp16", "fp16", "fp16", "fp32", "nhwgc", Epilogue(), direction, rank),
+                     Algorithm(tile, pipeline, warps, mma, "data_parallel", 1, (1, 1, 1), stages, extras),
+                     "cutlass", "sm90a")
+
+
+DW = (("cutlass.cpg", 1), ("cutlass.kpg", 1))
+FILTER_LEGAL = [
+    direct_conv(extras=DW + (("cutlass.fx", 3), ("cutlass.fy", 3))),
+    direct_conv("bwd_data", extras=DW + (("cutlass.fx", 7), ("cutlass.fy", 7))),
+    direct_conv(extras=(("cutlass.cpg", 4), ("cutlass.kpg", 4), ("cutlass.fx", 3), ("cutlass.fy", 3))),
+    direct_conv(rank=1, tile=(64, 64, 1), extras=DW + (("cutlass.fx", 4),)),
+    direct_conv("bwd_data", rank=3, extras=DW + (("cutlass.fx", 3), ("cutlass.fy", 3))),
+]
+
+
+@pytest.mark.parametrize("key", FILTER_LEGAL, ids=lambda k: k.name[-40:])
+def test_compile_time_filter_keys_are_legal_and_round_trip(key):
+    assert rules.check(key) == []
+    assert parse_kernel_name(key.name) == key
+    fx, fy = key.algorithm.extra("cutlass.fx"), key.algorithm.extra("cutlass.fy")
+    assert f"_xfx{fx}_" in key.name and (f"_xfy{fy}_" in key.name) == (fy is not None)
+
+
+@pytest.mark.parametrize("key, rule", [
+    (direct_conv("bwd_weight", mma=(3, 4, 1), extras=DW + (("cutlass.fx", 3), ("cutlass.fy", 3))),
+     "cutlass.conv_direct_filter"),                                                  # fwd / bwd_data only
+    (direct_conv(extras=(("cutlass.fx", 3), ("cutlass.fy", 3))), "cutlass.conv_direct_filter"),  # no cpg / kpg
+    (direct_conv(extras=DW + (("cutlass.fx", 3),)), "cutlass.conv_direct_filter"),   # 2D: both or neither
+    (direct_conv(extras=DW + (("cutlass.fy", 3),)), "cutlass.conv_direct_filter"),
+    (direct_conv(extras=DW + (("cutlass.fx", 16), ("cutlass.fy", 3))), "cutlass.conv_direct_filter"),
+    (direct_conv(rank=1, tile=(64, 64, 1), extras=DW + (("cutlass.fx", 4), ("cutlass.fy", 1))),
+     "cutlass.conv_direct_filter"),                                                  # 1D: fx only
+    (direct_conv(pipeline="implicit_gemm", extras=(("cutlass.fx", 3), ("cutlass.fy", 3))), "cutlass.conv_extras"),
+])
+def test_compile_time_filter_illegal_combinations_name_their_rule(key, rule):
+    assert rule in broken(key)
+
+
+def test_compile_time_filter_renders():
+    """The filter constants, the register window and the refusal appear only in a kernel with fx / fy; the same
+    key without them renders without any of it (kernels built before these extras keep their sources)."""
+    fixed = direct_conv(extras=DW + (("cutlass.fx", 3), ("cutlass.fy", 3)))
+    text = codegen.render(fixed)
+    assert "constexpr int FX = 3, FY = 3;" in text and "accumulate_window<1, 1>(" in text
+    assert "accumulate_window<BWD ? 1 : 2, 1>(" in text and "filter (height x width" in text
+    assert "{{" not in text and "{%" not in text and fixed.to_json() in text
+    plain = codegen.render(direct_conv(extras=DW))
+    assert "FX" not in plain and "accumulate_window" not in plain and "cutlass.fx" not in plain
+    one_d = codegen.render(direct_conv(rank=1, tile=(64, 64, 1), extras=DW + (("cutlass.fx", 4),)))
+    assert "constexpr int FX = 4, FY = 1;" in one_d and "Filter: width 4" in one_d
