@@ -11,6 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
 from tiledispatch import abi, cuda  # noqa: E402
 from tiledispatch.ops import conv  # noqa: E402
+from tiledispatch.spec import rules  # noqa: E402
 
 TORCH_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -32,8 +33,17 @@ def kind_of(key) -> tuple[str, ...]:
 
 def expected_refusal(key, problem):
     """The reason a kernel documents for refusing a problem of its kinds (td_can_run must say it), or None."""
-    if key.algorithm.pipeline == "tma_ws_conv" and problem.direction == "bwd_data" and set(problem.stride) != {1}:
+    alg = key.algorithm
+    if alg.pipeline == "tma_ws_conv" and problem.direction == "bwd_data" and set(problem.stride) != {1}:
         return "unit stride"  # CUTLASS's SM90 dgrad has no strided variant; implicit_gemm covers it
+    if alg.pipeline == "direct" and problem.spatial_dims == 2 and problem.direction == "fwd":
+        # a 2D direct fwd tile keeps one input halo plane (fp16) and the block's weights (fp32) in shared memory;
+        # a large filter with stride and dilation 2 can outgrow it (the kernel says so; selection falls back)
+        (tw, lanes, th), (fy, fx) = alg.tile, problem.filter_size
+        (sy, sx), (dy, dx) = problem.stride, problem.dilation
+        halo = ((th - 1) * sy + (fy - 1) * dy + 1) * ((tw - 1) * sx + (fx - 1) * dx + 1) * lanes * 2
+        if halo + fy * fx * lanes * 4 > rules.archs(key.backend)[key.arch]["smem_bytes"]:
+            return "bytes of shared memory"
     return None
 
 
