@@ -61,6 +61,21 @@ for d in ("fwd", "bwd_data"):
         (direct(d, 1, vl=8, cpg=1, kpg=1, fx=4), "depthwise", 4, tuple(ce.GEOMETRIES)),
         (direct(d, 3, cpg=1, kpg=1, fx=3, fy=3), "depthwise", 3, ("s1d1", "s2d1", "s1d2")),
     ]
+# bwd_weight: the register window (PXW pixels along W x mma[0] taps; stride / dilation along W (1, 1), (1, 2),
+# (2, 1)) and the unrolled per-pixel loop of (2, 2); PXW 4 (tile width 8 / 12 / 16), 2 (width 6) and 1 (width 9)
+FILTER_CASES += [
+    (direct("bwd_weight", 2, cpg=1, kpg=1, fx=3, fy=3, mm=3), "depthwise", 3, ALL_2D),
+    (direct("bwd_weight", 2, vl=8, cpg=1, kpg=1, fx=7, fy=7, mm=7, tile=(16, 32, 8), dtype="bf16"), "depthwise", 7,
+     ALL_2D),
+    (direct("bwd_weight", 2, cpg=4, kpg=4, fx=3, fy=3, mm=3, tile=(12, 16, 4)), "g4", 3, ALL_2D),
+    (direct("bwd_weight", 2, cpg=1, kpg=1, fx=3, fy=3, mm=3, tile=(6, 16, 4)), "depthwise", 3,
+     ("s1d1", "s2d1", "s1d2", "sw2dh2")),
+    (direct("bwd_weight", 2, cpg=1, kpg=1, fx=3, fy=3, mm=1, tile=(9, 16, 4)), "depthwise", 3, ("s1d1", "s2d1")),
+    (direct("bwd_weight", 2, cpg=1, kpg=2, fx=3, fy=3, mm=3), "multiplier", 3, ("s1d1", "s2d1", "s1d2")),
+    (direct("bwd_weight", 2, cpg=1, kpg=1, fx=6, fy=3, mm=3), "depthwise", (3, 6), ("s1d1", "s2d2", "sh2dw2")),
+    (direct("bwd_weight", 1, vl=8, cpg=1, kpg=1, fx=4), "depthwise", 4, tuple(ce.GEOMETRIES)),
+    (direct("bwd_weight", 3, cpg=1, kpg=1, fx=3, fy=3, mm=3), "depthwise", 3, ("s1d1", "s2d1", "s1d2")),
+]
 
 
 @pytest.fixture(scope="module")
@@ -155,11 +170,11 @@ def test_compile_time_filter_matches_reference(libs, key, kind, f, geos):
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("direction", ("fwd", "bwd_data"))
+@pytest.mark.parametrize("direction", ("fwd", "bwd_data", "bwd_weight"))
 def test_compile_time_filter_one_plane(libs, direction):
     """3D halos taken one depth plane at a time (small shared memory) through the register window."""
     cache, tmp = libs
-    key = direct(direction, 3, cpg=1, kpg=1, fx=3, fy=3)
+    key = direct(direction, 3, cpg=1, kpg=1, fx=3, fy=3, mm=3 if direction == "bwd_weight" else None)
     lib = cache.setdefault(f"{key.name}_9000", ce.build(key, tmp, smem_limit=9000))
     failures = []
     for i, geo in enumerate(("s1d1", "s2d2", "s1d2")):
@@ -184,3 +199,10 @@ def test_compile_time_filter_refusals(libs):
     p = conv.ConvProblem("bwd_data", 1, 8, 8, 8, (20,), (3,), 1, 1, 1, 1, "fp16", "fp16", "fp16")
     status, reason = lib.can_run(conv.make_args(p, key))
     assert status == abi.UNSUPPORTED and "filter width 4" in reason and "has width 3" in reason
+    key = direct("bwd_weight", 2, cpg=1, kpg=1, fx=7, fy=7, mm=7)
+    lib = cache.setdefault(key.name, ce.build(key, tmp))
+    p = conv.ConvProblem("bwd_weight", 1, 8, 8, 8, (12, 12), (3, 3), 1, 1, 1, 1, "fp16", "fp16", "fp16")
+    status, reason = lib.can_run(conv.make_args(p, key))
+    assert status == abi.UNSUPPORTED and "7 x 7 filter" in reason and "filter is 3 x 3" in reason
+    p = conv.ConvProblem("bwd_weight", 1, 8, 8, 8, (12, 12), (7, 7), 1, 1, 3, 3, "fp16", "fp16", "fp16")
+    assert lib.can_run(conv.make_args(p, key)) == (abi.OK, "")

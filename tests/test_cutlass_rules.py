@@ -177,6 +177,13 @@ FILTER_LEGAL = [
     direct_conv(extras=(("cutlass.cpg", 4), ("cutlass.kpg", 4), ("cutlass.fx", 3), ("cutlass.fy", 3))),
     direct_conv(rank=1, tile=(64, 64, 1), extras=DW + (("cutlass.fx", 4),)),
     direct_conv("bwd_data", rank=3, extras=DW + (("cutlass.fx", 3), ("cutlass.fy", 3))),
+    # bwd_weight: mma[0] (taps along W per thread) divides fx
+    direct_conv("bwd_weight", tile=(16, 64, 8), mma=(3, 8, 1), extras=DW + (("cutlass.fx", 3), ("cutlass.fy", 3))),
+    direct_conv("bwd_weight", tile=(32, 64, 8), mma=(7, 8, 1), extras=DW + (("cutlass.fx", 7), ("cutlass.fy", 7))),
+    direct_conv("bwd_weight", tile=(32, 32, 8), mma=(3, 4, 1),
+                extras=(("cutlass.cpg", 4), ("cutlass.kpg", 4), ("cutlass.fx", 3), ("cutlass.fy", 3))),
+    direct_conv("bwd_weight", tile=(16, 64, 8), mma=(1, 8, 1), extras=DW + (("cutlass.fx", 5), ("cutlass.fy", 5))),
+    direct_conv("bwd_weight", rank=1, tile=(256, 64, 1), mma=(4, 8, 1), extras=DW + (("cutlass.fx", 8),)),
 ]
 
 
@@ -189,8 +196,12 @@ def test_compile_time_filter_keys_are_legal_and_round_trip(key):
 
 
 @pytest.mark.parametrize("key, rule", [
-    (direct_conv("bwd_weight", mma=(3, 4, 1), extras=DW + (("cutlass.fx", 3), ("cutlass.fy", 3))),
-     "cutlass.conv_direct_filter"),                                                  # fwd / bwd_data only
+    (direct_conv("bwd_weight", mma=(2, 4, 1), extras=DW + (("cutlass.fx", 3), ("cutlass.fy", 3))),
+     "cutlass.conv_direct_filter_wgrad"),                                            # mma[0] 2 does not divide 3
+    (direct_conv("bwd_weight", mma=(3, 8, 1), extras=DW + (("cutlass.fx", 7), ("cutlass.fy", 7))),
+     "cutlass.conv_direct_filter_wgrad"),
+    (direct_conv("bwd_weight", mma=(3, 4, 1), extras=(("cutlass.fx", 3), ("cutlass.fy", 3))),
+     "cutlass.conv_direct_filter"),                                                  # no cpg / kpg
     (direct_conv(extras=(("cutlass.fx", 3), ("cutlass.fy", 3))), "cutlass.conv_direct_filter"),  # no cpg / kpg
     (direct_conv(extras=DW + (("cutlass.fx", 3),)), "cutlass.conv_direct_filter"),   # 2D: both or neither
     (direct_conv(extras=DW + (("cutlass.fy", 3),)), "cutlass.conv_direct_filter"),
@@ -215,3 +226,22 @@ def test_compile_time_filter_renders():
     assert "FX" not in plain and "accumulate_window" not in plain and "cutlass.fx" not in plain
     one_d = codegen.render(direct_conv(rank=1, tile=(64, 64, 1), extras=DW + (("cutlass.fx", 4),)))
     assert "constexpr int FX = 4, FY = 1;" in one_d and "Filter: width 4" in one_d
+
+
+def test_compile_time_filter_renders_bwd_weight():
+    """bwd_weight: the filter constants, the register window (PXW: the largest of 4 / 2 / 1 dividing tile[0]) and
+    the refusal only with fx / fy; without them the kernel's source has none of it (byte-identical to before)."""
+    fixed = direct_conv("bwd_weight", tile=(16, 64, 8), mma=(3, 8, 1), extras=DW + (("cutlass.fx", 3), ("cutlass.fy", 3)))
+    text = codegen.render(fixed)
+    assert "constexpr int FX = 3, FY = 3;" in text and "constexpr int PXW = 4;" in text
+    for inst in ("<1, 1>(", "<1, 2>(", "<2, 1>("):
+        assert "accumulate_window" + inst in text
+    assert "r % (FX / FWT)" in text and "filter (height x width" in text and "Filter: 3 x 3 (height x width)" in text
+    assert "{{" not in text and "{%" not in text and fixed.to_json() in text
+    plain = codegen.render(direct_conv("bwd_weight", tile=(16, 64, 8), mma=(3, 8, 1), extras=DW))
+    assert "FX" not in plain and "PXW" not in plain and "accumulate_window" not in plain and "cutlass.fx" not in plain
+    assert "r % w.nfx" in plain
+    six = direct_conv("bwd_weight", tile=(6, 64, 8), mma=(3, 8, 1), extras=DW + (("cutlass.fx", 3), ("cutlass.fy", 3)))
+    assert "constexpr int PXW = 2;" in codegen.render(six)
+    one_d = direct_conv("bwd_weight", rank=1, tile=(256, 64, 1), mma=(4, 8, 1), extras=DW + (("cutlass.fx", 8),))
+    assert "constexpr int FX = 8, FY = 1;" in codegen.render(one_d)

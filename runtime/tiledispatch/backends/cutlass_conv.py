@@ -47,6 +47,9 @@ def context(key: KernelKey) -> dict:
         lg, rg = (cpg, kpg) if sig.direction == "bwd_data" else (kpg, cpg)
         # compile-time filter width / height (cutlass.fx / cutlass.fy), 0 = read at run time
         ctx.update(threads=alg.warps[0] * 32, lg=lg, rg=rg, fx=alg.extra("cutlass.fx", 0), fy=alg.extra("cutlass.fy", 0))
+        # bwd_weight's register window: pixels along W a thread takes at a time (the largest of 4, 2, 1 dividing
+        # the tile width tile[0])
+        ctx.update(pxw=next(n for n in (4, 2, 1) if alg.tile[0] % n == 0))
     elif alg.pipeline == "tma_ws_conv":
         ctx.update(_sm90_context(key))
     else:
