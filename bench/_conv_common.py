@@ -44,6 +44,16 @@ def expected_refusal(key, problem):
         halo = ((th - 1) * sy + (fy - 1) * dy + 1) * ((tw - 1) * sx + (fx - 1) * dx + 1) * lanes * 2
         if halo + fy * fx * lanes * 4 > rules.archs(key.backend)[key.arch]["smem_bytes"]:
             return "bytes of shared memory"
+    if alg.pipeline == "direct" and problem.spatial_dims == 2 and problem.direction == "bwd_weight":
+        # a 2D direct wgrad tile keeps one X halo plane and the dY tile (fp16) and the block's sums (fp32) in
+        # shared memory; a 7x7 filter with stride and dilation 2 outgrows it (the kernel says so; selection falls back)
+        (tw, lanes, th), (fy, fx) = alg.tile, problem.filter_size
+        (sy, sx), (dy, dx) = problem.stride, problem.dilation
+        cg, kg = problem.c // problem.g, problem.k // problem.g
+        channels = max(1, lanes // kg) * cg  # the halo's channels: the groups of the block's lanes
+        halo = ((th - 1) * sy + (fy - 1) * dy + 1) * ((tw - 1) * sx + (fx - 1) * dx + 1) * channels * 2
+        if halo + th * tw * lanes * 2 + fy * fx * cg * lanes * 4 > rules.archs(key.backend)[key.arch]["smem_bytes"]:
+            return "bytes of shared memory"
     return None
 
 
