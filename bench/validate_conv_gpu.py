@@ -79,6 +79,18 @@ def run_kernel(kern, p, dev, alpha=1.0, beta=0.0) -> np.ndarray:
     return dev[conv.WRITES[p.direction]].float().cpu().numpy()
 
 
+def attempt(entry: dict, check, results: list, label: str) -> None:
+    """entry.update(check(entry)) (a validation.compare-style dict), an exception recorded as a failure; then
+    append entry to results and print one line."""
+    try:
+        entry.update(check(entry))
+    except Exception as e:  # noqa: BLE001 - record and go on
+        entry.update(passed=False, error=str(e)[:400])
+    results.append(entry)
+    print(f"{'ok  ' if entry['passed'] else 'FAIL'} {label} {entry.get('kernel', '-')[:90]}: "
+          f"{entry.get('rel_error', entry.get('error'))}", flush=True)
+
+
 def check_kernels(registries, cases_cache, rng) -> list[dict]:
     results = []
     for reg in registries:
@@ -193,8 +205,7 @@ def check_splits(registries, rng) -> list[dict]:
             for label, p in cases:
                 host, expect = validation.conv_case(p, rng)
                 for alpha, beta in ((1.0, 0.0), (0.75, -1.25)):
-                    entry = {"kernel": kern.name, "problem": str(p), "split": label, "alpha": alpha, "beta": beta}
-                    try:
+                    def check(entry, host=host):  # called at once, in this iteration
                         if beta:
                             host = dict(host, w=validation.random_array(rng, host["w"].shape, k.signature.dtype_a))
                             dev = {r: torch.from_numpy(a.astype(np.float32)).to("cuda", TORCH_DTYPE[k.signature.dtype_a])
@@ -202,13 +213,10 @@ def check_splits(registries, rng) -> list[dict]:
                             ref = alpha * expect + beta * dev["w"].double().cpu().numpy()
                         else:
                             dev, ref = to_device(host, k.signature.dtype_a, "w"), expect
-                        out = run_kernel(kern, p, dev, alpha=alpha, beta=beta)
-                        entry.update(validation.compare(out, ref, k))
-                    except Exception as e:  # noqa: BLE001
-                        entry.update(passed=False, error=str(e)[:400])
-                    results.append(entry)
-                    print(f"{'ok  ' if entry['passed'] else 'FAIL'} split {label} alpha {alpha} beta {beta} "
-                          f"{kern.name[:70]}: {entry.get('rel_error', entry.get('error'))}", flush=True)
+                        return validation.compare(run_kernel(kern, p, dev, alpha=alpha, beta=beta), ref, k)
+
+                    entry = {"kernel": kern.name, "problem": str(p), "split": label, "alpha": alpha, "beta": beta}
+                    attempt(entry, check, results, f"split {label} alpha {alpha} beta {beta}")
     return results
 
 
@@ -257,8 +265,8 @@ def check_selection(registries) -> list[dict]:
             x, w, y = (logical(shapes[r], r) for r in ("x", "w", "y"))
             written = {"fwd": y, "bwd_data": x, "bwd_weight": w}[direction]
             written.fill_(float("nan"))
-            entry = {"selection": True, "problem": str(p)}
-            try:
+
+            def check(entry):  # called at once, in this iteration
                 geo = dict(stride=stride, dilation=dilation, pad_lo=pad_lo, pad_hi=pad_hi, groups=g)
                 kern = reg.select(p)
                 entry["kernel"] = kern.name
@@ -274,12 +282,9 @@ def check_selection(registries) -> list[dict]:
                 finite = bool(torch.isfinite(out).all())
                 err = float((out - ref).norm() / ref.norm()) if finite else float("inf")
                 tol = validation.tolerance(kern.key)
-                entry.update(rel_error=err, tolerance=tol, passed=finite and err <= tol)
-            except Exception as e:  # noqa: BLE001
-                entry.update(passed=False, error=str(e)[:400])
-            results.append(entry)
-            print(f"{'ok  ' if entry['passed'] else 'FAIL'} selected {entry.get('kernel', '-')[:90]} for "
-                  f"{kind} {p}: {entry.get('rel_error', entry.get('error'))}", flush=True)
+                return {"rel_error": err, "tolerance": tol, "passed": finite and err <= tol}
+
+            attempt({"selection": True, "problem": str(p)}, check, results, f"selected for {kind} {p}")
     return results
 
 

@@ -208,11 +208,11 @@ def test_runtime_split_is_modelled_for_bwd_weight_only(monkeypatch):
     p = _problem("bwd_weight", 32, 64, 64, (56, 56), (3, 3))
     own = KernelKey(Signature("conv", "fp16", "fp16", "fp16", "fp32", "nhwgc", Epilogue(), "bwd_weight", 2),
                     Algorithm((64, 128, 32), "implicit_gemm", (2, 2, 1), (16, 8, 16), "data_parallel"), "cutlass", "sm90a")
-    assert rules.runtime_split_waves(own) == 2 and rules.runtime_split(own).get("over") is None
+    assert rules.runtime_split(own).get("waves") == 2 and rules.runtime_split(own).get("over") is None
     tma = key("bwd_weight", 2, (64, 128, 64))
     assert rules.runtime_split(tma) == {"when": rules.runtime_split(tma)["when"], "waves": 1, "over": "batch",
                                         "max_splits": 32}
-    assert rules.runtime_split_waves(key("fwd")) == 0 and rules.runtime_split_waves(key("bwd_data")) == 0
+    assert rules.runtime_split(key("fwd")) == {} and rules.runtime_split(key("bwd_data")) == {}
     # 9 output tiles, the batch of 32 in 14 slices (126 CTAs on 132 SMs; the largest slice 3 images): the
     # estimate is 3/32 of the unsplit kernel's (one wave of 9 CTAs over all 32 images)
     split = estimated_cost(p, tma)

@@ -104,16 +104,16 @@ def empty_like_device(ref: ArrayView, shape: tuple[int, ...], dtype: str):
     raise InvalidInputError(f"cannot allocate an output like {type(ref.obj).__name__}: pass out=")
 
 
+def copyable(obj) -> bool:
+    """Whether snapshot() / restore() handle obj: numpy, torch and cupy arrays."""
+    return isinstance(obj, np.ndarray) or type(obj).__module__.split(".")[0] in ("torch", "cupy")
+
+
 def snapshot(obj):
-    """A copy of a numpy, torch or cupy array's contents (for restore), or None for other objects."""
-    if isinstance(obj, np.ndarray):
+    """A copy of a numpy, torch or cupy array's contents, for restore()."""
+    if isinstance(obj, np.ndarray) or type(obj).__module__.startswith("cupy"):
         return obj.copy(order="K")
-    module = type(obj).__module__.split(".")[0]
-    if module == "torch":
-        return obj.clone()
-    if module == "cupy":
-        return obj.copy(order="K")
-    return None
+    return obj.clone()
 
 
 def restore(obj, saved) -> None:

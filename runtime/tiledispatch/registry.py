@@ -134,10 +134,11 @@ class Registry:
 
     def _tune(self, problem, operands, fits: list[Kernel], *, top: int, stream, num_threads: int,
               **scalars) -> Kernel:
-        saved = arrays.snapshot(operands.out) if scalars.get("beta", 0) else None
-        if scalars.get("beta", 0) and saved is None:
+        keep = bool(scalars.get("beta", 0))  # the timing launches overwrite the output beta reads
+        if keep and not arrays.copyable(operands.out):
             raise InvalidInputError(f"tuning with beta != 0 restores the output afterwards: pass numpy, torch or "
                                     f"cupy arrays, not {type(operands.out).__name__}")
+        saved = arrays.snapshot(operands.out) if keep else None
         times = {}
         for kern in selection.learned(problem, fits)[:max(1, top)]:
             args = bind(self, problem, kern, operands, stream=stream, num_threads=num_threads, **scalars)
@@ -167,7 +168,7 @@ class Registry:
         tuned = self._tuned(problem, fits)
         if tuned is not None:
             return tuned
-        if self.autotune and (not scalars.get("beta", 0) or arrays.snapshot(operands.out) is not None):
+        if self.autotune and (not scalars.get("beta", 0) or arrays.copyable(operands.out)):
             return self._tune(problem, operands, fits, top=TUNE_TOP, stream=stream, num_threads=num_threads, **scalars)
         return selection.learned(problem, fits)[0]
 

@@ -8,6 +8,7 @@ only evaluates that data: it names no backend.
 from __future__ import annotations
 
 import functools
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,18 +151,20 @@ def check(key: KernelKey) -> list[Violation]:
     return out
 
 
+def _selection_entries(key: KernelKey, name: str):
+    """The entries of the rules' selection.<name> list whose `when` holds for the key, in order."""
+    entries = (backend_rules(key.backend).get("selection") or {}).get(name) or []
+    ns = namespace(key) if entries else None
+    for i, entry in enumerate(entries):
+        if _evaluate(entry["when"], ns, f"{key.backend}.selection.{name}[{i}]"):
+            yield entry
+
+
 @functools.lru_cache(maxsize=4096)
 def cost_factor(key: KernelKey) -> float:
     """The product of the rules' selection.cost_factors whose `when` holds for the key (1.0 for none): how a
     backend tells the analytic ranker that some kernels are slower than their tile shape suggests."""
-    entries = (backend_rules(key.backend).get("selection") or {}).get("cost_factors") or []
-    factor = 1.0
-    if entries:
-        ns = namespace(key)
-        for i, entry in enumerate(entries):
-            if _evaluate(entry["when"], ns, f"{key.backend}.selection.cost_factors[{i}]"):
-                factor *= float(entry["factor"])
-    return factor
+    return math.prod(float(entry["factor"]) for entry in _selection_entries(key, "cost_factors"))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -170,18 +173,7 @@ def runtime_split(key: KernelKey) -> dict:
     run time until its blocks fill `waves` waves of the GPU, which the analytic ranker must model; `over` says
     what it splits (k: the reduction's k tiles, the default; batch: whole images, at most N slices) and
     `max_splits` caps the count."""
-    entries = (backend_rules(key.backend).get("selection") or {}).get("runtime_splits") or []
-    if entries:
-        ns = namespace(key)
-        for i, entry in enumerate(entries):
-            if _evaluate(entry["when"], ns, f"{key.backend}.selection.runtime_splits[{i}]"):
-                return dict(entry)
-    return {}
-
-
-def runtime_split_waves(key: KernelKey) -> int:
-    """The `waves` of the key's runtime split (0 for none)."""
-    return int(runtime_split(key).get("waves", 0))
+    return dict(next(_selection_entries(key, "runtime_splits"), {}))
 
 
 def _extra_value_ok(spec: dict, value: Any) -> bool:
