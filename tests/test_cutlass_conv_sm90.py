@@ -27,7 +27,9 @@ def broken(k) -> set[str]:
 
 LEGAL = [key(), key("bwd_data", 1, (128, 64, 64)), key("bwd_weight", 3, (64, 128, 64), "bf16"),
          key(tile=(64, 256, 64), cluster=(2, 1, 1)), key("fwd", 3, cluster=(1, 2, 1), stages=4),
-         key("bwd_data", 2, cluster=(2, 2, 1), stages=6)]
+         key("bwd_data", 2, cluster=(2, 2, 1), stages=6),
+         key("fwd", 2, (128, 64, 64), stages=4, extras=(("cutlass.occupancy", 2),)),
+         key("bwd_weight", 3, (64, 64, 64), stages=4, extras=(("cutlass.occupancy", 3),))]
 
 
 @pytest.mark.parametrize("k", LEGAL, ids=lambda k: k.name[:60])
@@ -53,6 +55,9 @@ def test_legal_keys_pass_and_round_trip(k):
     (key(epi=Epilogue("relu")), "cutlass.conv_epilogue"),
     (key(epi=Epilogue(bias=True)), "cutlass.conv_epilogue"),
     (key(extras=(("cutlass.cpg", 4), ("cutlass.kpg", 4))), "cutlass.conv_extras"),
+    (key(extras=(("cutlass.occupancy", 2),)), "cutlass.conv_occupancy"),              # stages 0 fill the SM
+    (key(stages=4, extras=(("cutlass.occupancy", 4),)), "cutlass.conv_occupancy"),
+    (key(stages=4, extras=(("cutlass.occupancy", 2),)), "cutlass.conv_sm90_smem"),    # 2 x 128 KiB
 ])
 def test_illegal_keys_name_their_rule(k, rule):
     assert rule in broken(k)
@@ -122,7 +127,7 @@ def test_bwd_weight_splits_the_batch_and_finalizes():
     assert "static td_args slice_args(const td_args* args, int n0, int count)" in text
     assert "arguments.epilogue.thread.beta = 0.0f;" in text
     assert "__global__ void finalize_slices(" in text and "tdk::finalize_slices<<<" in text
-    assert "std::max(1, UNITS / sp.tiles)" in text
+    assert "std::max(1, UNITS * OCCUPANCY / sp.tiles)" in text and "constexpr int OCCUPANCY = 1;" in text
     assert cutlass.templates(key("bwd_weight")) == ["conv_sm90.cu.j2", "_conv_common.j2", "_tma_driver.j2",
                                                     "_conv_sm90_wgrad.j2", "_conv_sm90_wgrad_abi.j2"]
 
@@ -132,8 +137,20 @@ def test_fwd_and_bwd_data_keep_the_unsplit_kernel(direction):
     text = codegen.render(key(direction, 2, (128, 64, 64)))
     for split_only in ("ElementOut", "wgrad_slices", "finalize_slices", "SliceParams", "MAX_SLICES"):
         assert split_only not in text
-    assert "cudaFuncSetAttribute(cutlass::device_kernel<ConvKernel>," in text
-    assert "tdk::Conv::run(params, stream);" in text and "Conv::get_workspace_size(arguments);" in text
+    assert "cudaFuncSetAttribute(conv_kernel," in text and "Conv::get_workspace_size(arguments);" in text
+    assert "tdk::launch(tdk::conv_kernel, tdk::Conv::get_grid_shape(params), params, stream);" in text
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd_weight"])
+def test_occupancy_sets_the_launch_bounds_and_checks_shared_memory(direction):
+    """cutlass.occupancy: the launched kernel's minimum resident CTAs, a compile-time check that that many CTAs'
+    shared memory fits the SM, and (bwd_weight) a batch split over that many CTAs per SM."""
+    k = key(direction, 2, (64, 64, 64), stages=4, extras=(("cutlass.occupancy", 2),))
+    text = codegen.render(k)
+    assert "constexpr int OCCUPANCY = 2;" in text
+    assert "__launch_bounds__(ConvKernel::MaxThreadsPerBlock, OCCUPANCY)" in text
+    assert "static_assert(OCCUPANCY * (int(ConvKernel::SharedStorageSize) + 1024) <= 233472," in text
+    assert "constexpr int OCCUPANCY = 1;" in codegen.render(key(direction, 2, (64, 64, 64), stages=4))
 
 
 def test_preselected_sets_have_every_direction_and_rank():
@@ -239,3 +256,20 @@ def test_batch_split_of_tma_ws_conv_bwd_weight(n, c, k, sp, f, slices):
     m, nn, red, batch = gemm_view(p, kk)
     tiles = -(-m // 64) * -(-nn // 128) * batch
     assert _runtime_split(p, kk, tiles, red, 132) == slices
+
+
+def test_batch_split_fills_the_resident_ctas(monkeypatch):
+    """With cutlass.occupancy the kernel's split fills occupancy x SMs CTA slots (_conv_sm90_wgrad.j2), and
+    the ranker models the split with the same count."""
+    from tiledispatch import selection
+    p = _problem("bwd_weight", 8, 64, 64, (16, 56, 56), (3, 3, 3), pad=1)
+    two = key("bwd_weight", 3, (64, 64, 64), stages=4, extras=(("cutlass.occupancy", 2),))
+    one = key("bwd_weight", 3, (64, 64, 64), stages=4)
+    assert selection.resident_ctas(two) == 2 and selection.resident_ctas(one) == 1
+    seen = []
+    real = selection._runtime_split
+    monkeypatch.setattr(selection, "_runtime_split", lambda *a: seen.append(a[-1]) or real(*a))
+    selection.estimated_cost(p, two), selection.estimated_cost(p, one)
+    assert seen == [264, 132]
+    # 27 output tiles of 64 x 64: 9 slots per tile with two CTAs per SM, so all 8 images get a slice (4 with one)
+    assert real(p, two, 27, 0, 264) == 8 and real(p, one, 27, 0, 132) == 4

@@ -23,13 +23,20 @@ def compute_units(backend: str, arch: str) -> int:
     return int(units) if units else (os.cpu_count() or 1)
 
 
+def resident_ctas(key) -> int:
+    """CTAs per compute unit the kernel is compiled to keep resident (its backend's `occupancy` extra, 0 or
+    absent = 1)."""
+    return int(key.algorithm.extra(f"{key.backend}.occupancy", 0) or 1)
+
+
 def estimated_cost(problem, key) -> float:
     """Relative time of one kernel on one problem (lower is better); only the ranking matters."""
     tm, tn, tk = key.algorithm.tile
     m, n, k, batch = gemm_view(problem, key)
     units = compute_units(key.backend, key.arch)
     output_tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch
-    runtime = _runtime_split(problem, key, output_tiles, k, units)
+    # a batch split fills the resident CTAs (units x the kernel's occupancy, as its C++ does)
+    runtime = _runtime_split(problem, key, output_tiles, k, units * resident_ctas(key))
     split = key.algorithm.split_k * runtime
     tiles = output_tiles * split
     waves = math.ceil(tiles / units)

@@ -79,7 +79,9 @@ def _sm90_context(key: KernelKey) -> dict:
         # kernel (wgrad_slices, grid z = slice), then finalize_slices sums and converts them into W
         "out_element": "ElementOut" if wgrad else "Element",
         "out_align": "OUT_ALIGN" if wgrad else "ALIGN",
-        "launched_kernel": "wgrad_slices" if wgrad else "cutlass::device_kernel<ConvKernel>",
+        "launched_kernel": "wgrad_slices" if wgrad else "conv_kernel",
+        "occupancy": alg.extra("cutlass.occupancy", 0) or 1,
+        "sm_smem_bytes": rules.archs("cutlass")[key.arch]["sm_smem_bytes"],
         "compute_units": rules.archs("cutlass")[key.arch]["compute_units"],
         "max_slices": rules.runtime_split(key).get("max_splits", 1),
     }
