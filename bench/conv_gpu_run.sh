@@ -6,9 +6,9 @@
 set -o pipefail
 source bench/gpu_env.sh
 td_setup || exit 1
-td_build conv_fp16_all_essential sm90a 480 conv_fp16  # 18 CUTLASS SM90 convs: ~1 min each
-td_build bench/conv_cutlass_bf16.yaml sm90a 240 conv_bf16
-td_build bench/conv_cutlass_explore.yaml sm90a 240 conv_explore
+td_build conv_fp16_all_essential sm90a 300 conv_fp16  # 24 CUTLASS SM90 convs: ~1 min each, 16 at a time
+td_build bench/conv_cutlass_bf16.yaml sm90a 150 conv_bf16
+td_build bench/conv_cutlass_explore.yaml sm90a 150 conv_explore
 cat /tmp/build_conv_*.log > "$OUT/build.log" 2>/dev/null
 python3 bench/validate_conv_gpu.py "$TD_BUILD/conv_fp16" "$TD_BUILD/conv_bf16" "$TD_BUILD/conv_explore" \
   --json "$OUT/conv_validate.json" > "$OUT/validate.log" 2>&1

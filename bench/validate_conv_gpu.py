@@ -156,18 +156,20 @@ def check_kernels(registries, cases_cache, rng) -> list[dict]:
 # S = N (few tiles), S > 1 not dividing N (uneven slices), S = 1 (tiles fill the GPU); each also with alpha/beta.
 SPLIT_PROBLEMS = {
     1: [(3, 64, 64, (37,), (5,)), (7, 64, 512, (13,), (5,)), (3, 1024, 1024, (9,), (5,))],
-    2: [(3, 64, 64, (9, 11), (3, 3)), (5, 512, 64, (7, 9), (3, 3)), (3, 512, 512, (7, 9), (3, 3))],
-    3: [(3, 32, 48, (3, 5, 7), (3, 3, 3)), (5, 64, 64, (3, 5, 7), (3, 3, 3)), (3, 256, 256, (3, 5, 7), (3, 3, 3))],
+    2: [(3, 64, 64, (9, 11), (3, 3)), (5, 512, 64, (7, 9), (3, 3)), (7, 256, 64, (7, 9), (3, 3)),
+        (7, 1024, 64, (5, 5), (3, 3)), (3, 512, 512, (7, 9), (3, 3)), (3, 1024, 1024, (5, 5), (3, 3))],
+    3: [(3, 32, 48, (3, 5, 7), (3, 3, 3)), (5, 64, 64, (3, 5, 7), (3, 3, 3)), (7, 256, 64, (3, 5, 7), (3, 3, 3)),
+        (3, 256, 256, (3, 5, 7), (3, 3, 3))],
 }
 
 
 def batch_slices(p, key) -> int:
-    """The S the kernel picks (the ranker models the same rule)."""
-    from tiledispatch.selection import _runtime_split, compute_units, gemm_view
+    """The S the kernel picks (the ranker models the same rule): its resident CTAs per SM times the SMs."""
+    from tiledispatch.selection import _runtime_split, compute_units, gemm_view, resident_ctas
     m, n, k, batch = gemm_view(p, key)
     tm, tn, _ = key.algorithm.tile
     tiles = -(-m // tm) * -(-n // tn) * batch
-    return _runtime_split(p, key, tiles, k, compute_units(key.backend, key.arch))
+    return _runtime_split(p, key, tiles, k, compute_units(key.backend, key.arch) * resident_ctas(key))
 
 
 def split_cases(key) -> list:

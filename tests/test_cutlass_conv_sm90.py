@@ -160,7 +160,9 @@ def test_preselected_sets_have_every_direction_and_rank():
         keys = [e.key for e in kernelset.load([name], "cutlass", "sm90a") if e.key.algorithm.pipeline == "tma_ws_conv"]
         have = {(k.signature.direction, k.signature.spatial_dims) for k in keys}
         assert have == {(d, r) for d in directions for r in (1, 2, 3)}, name
-        assert len(keys) <= 7 * len(directions)  # each costs ~60 s and ~3.3 GB of nvcc: keep the sets small
+        # each costs ~60 s and ~3.3 GB of nvcc: keep the sets small
+        for d in directions:
+            assert sum(k.signature.direction == d for k in keys) <= (10 if d == "bwd_weight" else 7), (name, d)
 
 
 # ---- selection --------------------------------------------------------------------------------------
