@@ -24,6 +24,7 @@ import time
 import torch
 
 from _conv_common import TORCH_DTYPE, ConvLauncher, machine
+from conv_report import summarize
 from tiledispatch import abi, load
 from tiledispatch.ops import conv
 from tiledispatch.selection import analytic
@@ -235,15 +236,7 @@ def main() -> int:
                       f"err {r['best_rel_error']:.1e} {short(r['best_kernel'])}", flush=True)
             else:
                 print(f"{r['case']:18s} {direction:10s} cuDNN {r['cudnn_ms'] * 1e3:8.1f} us | ours: no kernel", flush=True)
-    summary = {}
-    for label, pick in (("dense", lambda r: r["case"].startswith(("resnet", "video", "conv1d")) and "depthwise" not in r["case"]),
-                        ("grouped_depthwise", lambda r: not (r["case"].startswith(("resnet", "video")) or r["case"] == "conv1d"))):
-        for direction in DIRECTIONS:
-            for field, tag in (("speedup_best", ""), ("speedup_best_shipped", "_shipped"),
-                               ("speedup_selected", "_selected"), ("speedup_best_single", "_single")):
-                sp = [r[field] for r in results if pick(r) and r["direction"] == direction and field in r]
-                if sp:
-                    summary[f"{label}_{direction}_geomean{tag}"] = math.exp(sum(map(math.log, sp)) / len(sp))
+    summary = summarize(results)
     print(json.dumps(summary, indent=1))
     out = {"machine": machine(), "dtype": DTYPE, "timing": f"ms / speedup: median of {repeats} batches of {batch} "
            "back-to-back calls, CUDA events; *_single_ms: median of 30 single calls on an idle GPU, CUDA events", "seconds": round(time.time() - t0, 1), "summary": summary, "results": results}

@@ -275,3 +275,12 @@ def test_batch_split_fills_the_resident_ctas(monkeypatch):
     assert seen == [264, 132]
     # 27 output tiles of 64 x 64: 9 slots per tile with two CTAs per SM, so all 8 images get a slice (4 with one)
     assert real(p, two, 27, 0, 264) == 8 and real(p, one, 27, 0, 132) == 4
+
+
+def test_cluster_grid_rounding_is_modelled():
+    """CUTLASS launches whole clusters: a [1, 2, 1] cluster on a layer with one tile along N runs twice the CTAs."""
+    p = _problem("fwd", 16, 64, 64, (2048,), (3,))  # 256 tiles along M, 1 along N (K = 64 < 128)
+    alone, pair = key("fwd", 1), key("fwd", 1, cluster=(1, 2, 1))
+    assert estimated_cost(p, pair) == pytest.approx(2 * estimated_cost(p, alone))
+    wide = _problem("fwd", 16, 512, 512, (2048,), (3,))  # 4 tiles along N: nothing to round
+    assert estimated_cost(wide, pair) == pytest.approx(estimated_cost(wide, alone))

@@ -34,7 +34,8 @@ def estimated_cost(problem, key) -> float:
     tm, tn, tk = key.algorithm.tile
     m, n, k, batch = gemm_view(problem, key)
     units = compute_units(key.backend, key.arch)
-    output_tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch
+    cm, cn, _ = key.algorithm.cluster  # a cluster grid rounds the tiles up to whole clusters
+    output_tiles = _round_up(math.ceil(m / tm), cm) * _round_up(math.ceil(n / tn), cn) * batch
     # a batch split fills the resident CTAs (units x the kernel's occupancy, as its C++ does)
     runtime = _runtime_split(problem, key, output_tiles, k, units * resident_ctas(key))
     split = key.algorithm.split_k * runtime
@@ -49,6 +50,10 @@ def estimated_cost(problem, key) -> float:
     knee = rules.backend_rules(key.backend).get("selection", {}).get("intensity_knee", 64.0)
     efficiency = min(1.0, (tm * tn / (tm + tn)) / knee)
     return waves * tm * tn * k_per_tile / efficiency * rules.cost_factor(key)
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
 
 
 def _runtime_split(problem, key, output_tiles: int, k: int, units: int) -> int:
