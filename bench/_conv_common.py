@@ -10,7 +10,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
 from tiledispatch import abi, cuda  # noqa: E402
-from tiledispatch.ops import conv  # noqa: E402
+from tiledispatch.ops import conv, conv_as_gemm, gemm  # noqa: E402
+from tiledispatch.plan import bind  # noqa: E402
 from tiledispatch.spec import rules  # noqa: E402
 
 TORCH_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -79,6 +80,35 @@ class ConvLauncher:
         status, reason = self.lib.run(self.args)
         if status != abi.OK:
             raise RuntimeError(f"{self.kernel.name}: status {status}: {reason}")
+
+
+class PointwiseGemmLaunchers:
+    """A pointwise convolution as the runtime lowers it (ops/conv_as_gemm.py): the GEMM problem over views of
+    the conv's tensors, and a launcher per GEMM kernel of the registries that can run it (td_args built once)."""
+
+    def __init__(self, problem, x, w, y, registries):
+        self.problem, self.launchers = None, []
+        if not conv_as_gemm.applies(problem):
+            return
+        _, ops = conv.operands(problem.direction, x, w, y, groups=None if x.dim() == problem.spatial_dims + 3 else 1)
+        views = conv_as_gemm.operands(problem, ops)
+        if views is None:
+            return
+        self.problem, operands = gemm.operands(*views)
+        for reg in registries:
+            for kern in reg.kernels:
+                if self.problem.mismatch(kern.key) is None:
+                    args = bind(reg, self.problem, kern, operands)
+                    if kern.library.can_run(args)[0] == abi.OK:
+                        self.launchers.append((reg, kern, args))
+
+    @staticmethod
+    def launch(kern, args):
+        def call():
+            status, reason = kern.library.run(args)
+            if status != abi.OK:
+                raise RuntimeError(f"{kern.name}: status {status}: {reason}")
+        return call
 
 
 def machine() -> dict:

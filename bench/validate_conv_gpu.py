@@ -27,7 +27,8 @@ import torch
 
 from _conv_common import TORCH_DTYPE, ConvLauncher, expected_refusal, kind_of, machine
 from tiledispatch import abi, load, validation
-from tiledispatch.ops import conv
+from tiledispatch.ops import conv, conv_as_gemm, gemm
+from tiledispatch.plan import bind
 
 # (G, C/G, K/G): a partial lane block, partial GEMM tiles
 KINDS = {"dense": (1, 32, 48), "dense_wide": (1, 96, 136), "g16": (4, 16, 16), "g64": (2, 64, 64), "g4": (32, 4, 4), "depthwise": (96, 1, 1),
@@ -290,6 +291,73 @@ def check_selection(registries) -> list[dict]:
     return results
 
 
+def check_pointwise(registries) -> list[dict]:
+    """Pointwise dense convolutions as GEMMs (ops/conv_as_gemm.py): every GEMM kernel of a bundle that runs the
+    lowered problem, launched on views of the conv's tensors, and the runtime's own call (no kernel named),
+    which must take the GEMM path; against torch, outputs poisoned first."""
+    results = []
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    for reg in registries:
+        if not any(k.key.signature.op == "gemm" for k in reg.kernels):
+            continue
+        for direction, rank in itertools.product(conv_as_gemm.DIRECTIONS, (1, 2, 3)):
+            n, in_size, _ = SIZES[rank]
+            p = conv.ConvProblem(direction, n, 1, 96, 136, in_size, (1,) * rank, 1, 1, 0, 0, "fp16", "fp16", "fp16")
+            x, w, y = (((torch.rand(p.shapes()[r], generator=gen, device="cuda") - 0.5).half()) for r in "xwy")
+            written = x if direction == "bwd_data" else y
+            logical = [t.squeeze(-2).movedim(-1, 1) if r != "w" else t[0].movedim(-1, 1)  # [N, C, sp...], [K, C, f...]
+                       for t, r in ((x, "x"), (w, "w"), (y, "y"))]
+            ref = torch_reference(direction, *logical, (1,) * rank, (1,) * rank, (0,) * rank, (0,) * rank, 1)
+            ref = ref.movedim(1, -1).unsqueeze(-2)  # explicit group axis: [N, sp..., 1, channels]
+            _, ops = conv.operands(direction, x, w, y)
+            gp, gops = gemm.operands(*conv_as_gemm.operands(p, ops))
+            for kern in reg.kernels:
+                if gp.mismatch(kern.key) is not None:
+                    continue
+
+                def check(entry, kern=kern):  # called at once, in this iteration
+                    args = bind(reg, gp, kern, gops)
+                    status, reason = kern.library.can_run(args)
+                    if status != abi.OK:
+                        return {"passed": True, "refused": reason}  # selection skips it; nothing to validate
+                    written.fill_(float("nan"))
+                    status, reason = kern.library.run(args)
+                    torch.cuda.synchronize()
+                    return _against(written, ref, kern.key) if status == abi.OK else {"passed": False, "reason": reason}
+
+                attempt({"kernel": kern.name, "problem": str(p), "as_gemm": True}, check, results, f"as GEMM {p}")
+
+            def check_runtime(entry):  # called at once, in this iteration
+                ran = []
+                real = reg.run
+                reg.run = lambda prob, *a, **kw: ran.append(prob.op) or real(prob, *a, **kw)
+                try:
+                    written.fill_(float("nan"))
+                    if direction == "fwd":
+                        conv.fwd(reg, x, w, y)
+                    else:
+                        conv.bwd_data(reg, y, w, x)
+                    torch.cuda.synchronize()
+                finally:
+                    del reg.run
+                entry["ran"] = ran
+                result = _against(written, ref, reg.select(gp).key)
+                result["passed"] = result["passed"] and ran == ["gemm"]
+                return result
+
+            attempt({"selection": True, "problem": str(p), "as_gemm": True}, check_runtime, results,
+                    f"runtime as GEMM {p}")
+    return results
+
+
+def _against(out, ref, key) -> dict:
+    out = out.float()
+    finite = bool(torch.isfinite(out).all())
+    err = float((out - ref).norm() / ref.norm()) if finite else float("inf")
+    tol = validation.tolerance(key)
+    return {"rel_error": err, "tolerance": tol, "passed": finite and err <= tol}
+
+
 def check_refusals(registries) -> list[dict]:
     """implicit_gemm and tma_ws_conv refuse channel counts that are not multiples of 8, tma_ws_conv refuses
     groups > 1; nothing is launched."""
@@ -325,6 +393,7 @@ def main() -> int:
     results = check_kernels(registries, {}, rng)
     results += check_splits(registries, rng)
     results += check_selection(registries)
+    results += check_pointwise(registries)
     results += check_refusals(registries)
     failed = [r for r in results if not r["passed"]]
     kernels = {r["kernel"] for r in results if "kernel" in r and not r.get("selection") and not r.get("refusal")}

@@ -33,6 +33,8 @@ class ArrayView:
 
 def view(obj: Any, role: str) -> ArrayView:
     """A view of obj; InvalidInputError naming the role (e.g. "A") when it cannot be used."""
+    if isinstance(obj, ArrayView):  # already checked (a view the runtime derived from the caller's arrays)
+        return obj
     module = type(obj).__module__.split(".")[0]
     if isinstance(obj, np.ndarray):
         return _numpy_view(obj, role)

@@ -20,7 +20,7 @@ from typing import ClassVar, Optional, Sequence, Union
 
 from .. import abi
 from ..arrays import ArrayView, empty_like_device, view
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, UnsupportedProblemError
 from ..spec.dtypes import DTYPES, dtype
 from ..spec.key import CONV_LAYOUTS, DIRECTIONS, Epilogue, KernelKey
 
@@ -400,8 +400,29 @@ def _run(registry, direction: str, x, w, y, *, alpha: float, beta: float, kernel
     if beta != 0 and written is None:
         raise InvalidInputError("beta != 0 reads the previous contents of the output: pass out=")
     problem, ops = operands(direction, x, w, y, **geo)
+    if kernel is None and _run_as_gemm(registry, problem, ops, alpha=alpha, beta=beta, stream=stream,
+                                       num_threads=num_threads):
+        return ops.out
     registry.run(problem, ops, kernel=kernel, stream=stream, num_threads=num_threads, alpha=alpha, beta=beta)
     return ops.out
+
+
+def _run_as_gemm(registry, problem: ConvProblem, ops: Operands, *, alpha: float, beta: float, stream,
+                 num_threads: int) -> bool:
+    """A pointwise convolution on the bundle's GEMM kernels (ops/conv_as_gemm.py). False, with nothing
+    written, when the problem is not pointwise or no GEMM kernel of the bundle runs it: the conv kernels do."""
+    from . import conv_as_gemm, gemm
+
+    views = conv_as_gemm.operands(problem, ops)
+    if views is None or not any(k.key.signature.op == "gemm" for k in registry.kernels):
+        return False
+    a, b, d = views
+    gemm_problem, gemm_ops = gemm.operands(a, b, d, d if beta else None)
+    try:
+        registry.run(gemm_problem, gemm_ops, stream=stream, num_threads=num_threads, alpha=alpha, beta=beta)
+    except UnsupportedProblemError:  # no GEMM kernel fits (dtype, layout, alignment) or one refused at launch
+        return False
+    return True
 
 
 def fwd(registry, x, w, out=None, *, alpha: float = 1.0, beta: float = 0.0, kernel=None, stream=None,
