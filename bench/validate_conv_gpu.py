@@ -327,26 +327,31 @@ def check_pointwise(registries) -> list[dict]:
 
                 attempt({"kernel": kern.name, "problem": str(p), "as_gemm": True}, check, results, f"as GEMM {p}")
 
-            def check_runtime(entry):  # called at once, in this iteration
-                ran = []
-                real = reg.run
-                reg.run = lambda prob, *a, **kw: ran.append(prob.op) or real(prob, *a, **kw)
-                try:
-                    written.fill_(float("nan"))
-                    if direction == "fwd":
-                        conv.fwd(reg, x, w, y)
-                    else:
-                        conv.bwd_data(reg, y, w, x)
-                    torch.cuda.synchronize()
-                finally:
-                    del reg.run
-                entry["ran"] = ran
-                result = _against(written, ref, reg.select(gp).key)
-                result["passed"] = result["passed"] and ran == ["gemm"]
-                return result
+            for alpha, beta in ((1.0, 0.0), (0.5, -1.5)):
+                def check_runtime(entry, alpha=alpha, beta=beta):  # called at once, in this iteration
+                    ran = []
+                    real = reg.run
+                    reg.run = lambda prob, *a, **kw: ran.append(prob.op) or real(prob, *a, **kw)
+                    try:
+                        if beta:  # out = alpha * conv + beta * out, in place (the GEMM's C is its D)
+                            written.copy_(torch.rand(written.shape, generator=gen, device="cuda") - 0.5)
+                        else:
+                            written.fill_(float("nan"))
+                        want = alpha * ref + (beta * written.float() if beta else 0.0)
+                        if direction == "fwd":
+                            conv.fwd(reg, x, w, y, alpha=alpha, beta=beta)
+                        else:
+                            conv.bwd_data(reg, y, w, x, alpha=alpha, beta=beta)
+                        torch.cuda.synchronize()
+                    finally:
+                        del reg.run
+                    entry["ran"] = ran
+                    result = _against(written, want, reg.select(gp).key)
+                    result["passed"] = result["passed"] and ran == ["gemm"]
+                    return result
 
-            attempt({"selection": True, "problem": str(p), "as_gemm": True}, check_runtime, results,
-                    f"runtime as GEMM {p}")
+                attempt({"selection": True, "problem": str(p), "as_gemm": True, "alpha": alpha, "beta": beta},
+                        check_runtime, results, f"runtime as GEMM alpha {alpha} beta {beta} {p}")
     return results
 
 
