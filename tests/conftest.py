@@ -83,6 +83,19 @@ CPU_GEMM_SETS = ("fp16_rcr_essential", "bf16_rcr_essential", "fp32_rcr_essential
                  "fp16_all_layouts", "fp16_rcr_fused")
 
 
+def build_cpu_bundle(build: Path, name: str, set_text: str, *more_sets: str):
+    """Write set_text as kernel set `name` in build, build it (with more_sets) for the cpu backend into
+    build/name and load the bundle."""
+    import tiledispatch as td
+    from tiledispatch.backends import cpu
+
+    spec = build / f"{name}.yaml"
+    spec.write_text(set_text)
+    scons(REPO, f"kernels={','.join((*more_sets, str(spec)))}", "backend=cpu", f"arch={cpu.detect_arch()}",
+          f"build_dir={build}", f"cache_dir={build / 'cache'}", f"bundle={name}")
+    return td.load(build / name)
+
+
 @pytest.fixture(scope="session")
 def gemm_bundle(tmp_path_factory) -> Path:
     """One cpu bundle holding every kernel of every preselected GEMM set."""

@@ -4,13 +4,10 @@ the conv kernels otherwise; results against the float64 reference with the outpu
 import numpy as np
 import pytest
 
-import tiledispatch as td
-from conftest import REPO, scons
+from conftest import build_cpu_bundle
 from tiledispatch import validation
-from tiledispatch.backends import cpu
 from tiledispatch.ops import conv, conv_as_gemm
 
-ARCH = cpu.detect_arch()
 # fp16 conv kernels of both directions the lowering covers, and fp16 GEMM kernels of its two layouts (no bf16
 # GEMM: bf16 pointwise problems must fall back to the conv kernels)
 BUNDLE_SET = """\
@@ -39,12 +36,7 @@ groups:
 
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory):
-    build = tmp_path_factory.mktemp("conv_as_gemm")
-    spec = build / "conv_as_gemm_test.yaml"
-    spec.write_text(BUNDLE_SET)
-    scons(REPO, f"kernels={spec}", "backend=cpu", f"arch={ARCH}", f"build_dir={build}",
-          f"cache_dir={build / 'cache'}", "bundle=b")
-    return td.load(build / "b")
+    return build_cpu_bundle(tmp_path_factory.mktemp("conv_as_gemm"), "conv_as_gemm_test", BUNDLE_SET)
 
 
 def problem(direction, dtype="fp16", n=3, c=24, k=40, size=(5, 7), f=1, stride=1, pad=0, g=1):

@@ -14,8 +14,7 @@ import zlib
 import numpy as np
 import pytest
 
-import tiledispatch as td
-from conftest import REPO, scons
+from conftest import build_cpu_bundle
 from tiledispatch import validation
 from tiledispatch.backends import cpu
 from tiledispatch.errors import InvalidInputError, UnsupportedProblemError
@@ -62,12 +61,7 @@ SIZES = {1: (2, (23,), (3,)), 2: (2, (9, 8), (3, 2)), 3: (1, (6, 5, 7), (3, 2, 3
 
 @pytest.fixture(scope="session")
 def conv_registry(tmp_path_factory):
-    build = tmp_path_factory.mktemp("conv_build")
-    spec = build / "conv_test.yaml"
-    spec.write_text(TEST_SET)
-    scons(REPO, f"kernels={ESSENTIAL},{spec}", "backend=cpu", f"arch={ARCH}", f"build_dir={build}",
-          f"cache_dir={build / 'cache'}", "bundle=conv")
-    return td.load(build / "conv")
+    return build_cpu_bundle(tmp_path_factory.mktemp("conv_build"), "conv_test", TEST_SET, ESSENTIAL)
 
 
 def make_case(rng, direction, rank, kind, geometry, dtype, n_scale=1):

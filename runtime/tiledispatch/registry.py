@@ -56,6 +56,7 @@ class Registry:
     def __init__(self, kernels: list[Kernel], backend: str, arch: str, manifest: Optional[dict] = None, *,
                  autotune: bool = False, tuning_cache: Optional[tuning.TuningCache] = None):
         self.kernels = kernels
+        self.ops = {k.key.signature.op for k in kernels}  # e.g. {"gemm", "conv"}
         self.backend, self.arch = backend, arch
         self.manifest = manifest or {}
         self.device = rules.backend_rules(backend)["device"]
