@@ -11,14 +11,15 @@ tolerance; a case the kernel documents it refuses (tma_ws_conv: strided bwd_data
 refuses it with that reason. Then per direction and rank, through the runtime's own selection on torch channels_last
 tensors (groups=G form), against torch's float32 convolution; alpha/beta on one problem per kernel; and
 refusals (misaligned channels for implicit_gemm and tma_ws_conv, groups > 1 for tma_ws_conv); tma_ws_conv
-bwd_weight's batch split with S = N, S > 1 not dividing N and S = 1, each with beta = 0 and alpha/beta. Exit
-status 1 on any failure.
+bwd_weight's split of its pixel sum with S = 1, uneven k ranges, K not a multiple of the tile and more tiles
+than resident CTAs, each with beta = 0 and alpha/beta. Exit status 1 on any failure.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
+import math
 import sys
 import time
 
@@ -152,39 +153,46 @@ def check_kernels(registries, cases_cache, rng) -> list[dict]:
     return results
 
 
-# tma_ws_conv bwd_weight splits the batch into S slices (templates/cutlass/_conv_sm90_wgrad.j2); per rank, problems
-# (N, C, K, spatial, filter) tried in order until each wanted kind of split is found for the kernel's tile:
-# S = N (few tiles), S > 1 not dividing N (uneven slices), S = 1 (tiles fill the GPU); each also with alpha/beta.
+# tma_ws_conv bwd_weight splits its pixel sum into S k ranges on persistent CTAs (templates/cutlass/_conv_sm90_wgrad.j2);
+# per rank, problems (N, C, K, spatial, filter) tried in order until each wanted kind of split is found for the
+# kernel's tile: S = 1, S > 1 with uneven k ranges, S > 1 with K not a multiple of tile m (padded partial rows),
+# more tiles than resident CTAs (unsplit, each CTA looping over tiles); each also with alpha/beta.
 SPLIT_PROBLEMS = {
-    1: [(3, 64, 64, (37,), (5,)), (7, 64, 512, (13,), (5,)), (3, 1024, 1024, (9,), (5,))],
-    2: [(3, 64, 64, (9, 11), (3, 3)), (5, 512, 64, (7, 9), (3, 3)), (7, 256, 64, (7, 9), (3, 3)),
-        (7, 1024, 64, (5, 5), (3, 3)), (3, 512, 512, (7, 9), (3, 3)), (3, 1024, 1024, (5, 5), (3, 3))],
-    3: [(3, 32, 48, (3, 5, 7), (3, 3, 3)), (5, 64, 64, (3, 5, 7), (3, 3, 3)), (7, 256, 64, (3, 5, 7), (3, 3, 3)),
-        (3, 256, 256, (3, 5, 7), (3, 3, 3))],
+    1: [(3, 64, 64, (37,), (5,)), (7, 64, 48, (301,), (5,)), (3, 1024, 1024, (9,), (5,)), (16, 64, 64, (2048,), (3,))],
+    2: [(3, 64, 64, (9, 11), (3, 3)), (5, 64, 48, (27, 29), (3, 3)), (3, 1024, 1024, (5, 5), (3, 3)),
+        (16, 64, 64, (56, 56), (3, 3))],
+    3: [(3, 32, 48, (3, 5, 7), (3, 3, 3)), (5, 64, 48, (7, 9, 11), (3, 3, 3)), (3, 256, 256, (3, 5, 7), (3, 3, 3)),
+        (2, 512, 512, (3, 5, 7), (3, 3, 3))],
 }
 
 
-def batch_slices(p, key) -> int:
-    """The S the kernel picks (the ranker models the same rule): its resident CTAs per SM times the SMs."""
-    from tiledispatch.selection import _runtime_split, compute_units, gemm_view, resident_ctas
-    m, n, k, batch = gemm_view(p, key)
-    tm, tn, _ = key.algorithm.tile
-    tiles = -(-m // tm) * -(-n // tn) * batch
-    return _runtime_split(p, key, tiles, k, compute_units(key.backend, key.arch) * resident_ctas(key))
+def wgrad_split(p, key) -> tuple[int, int, int, int]:
+    """(S, units, ktiles, resident CTAs) of the kernel on the problem (the ranker models its rule)."""
+    from tiledispatch.selection import compute_units, gemm_view, partials_split, resident_ctas
+    from tiledispatch.spec import rules
+    m, n, k, _ = gemm_view(p, key)
+    tm, tn, tk = key.algorithm.tile
+    tiles, ktiles = -(-m // tm) * -(-n // tn), -(-k // tk)
+    partial = -(-m // tm) * tm * p.c * math.prod(p.filter_size)
+    s, _ = partials_split(key, tiles, ktiles, partial, rules.runtime_split(key)["epilogue_ktiles"])
+    return s, tiles * s, ktiles, compute_units(key.backend, key.arch) * resident_ctas(key)
 
 
 def split_cases(key) -> list:
-    """[(label, problem)] for a tma_ws_conv bwd_weight key: S == N > 1, S > 1 with N % S != 0, S == 1."""
-    rank = key.signature.spatial_dims
-    want = {"S=N": lambda s, n: 1 < s == n, "S!|N": lambda s, n: s > 1 and n % s, "S=1": lambda s, n: s == 1}
+    """[(label, problem)] for a tma_ws_conv bwd_weight key: each kind of split of SPLIT_PROBLEMS's comment."""
+    rank, tm = key.signature.spatial_dims, key.algorithm.tile[0]
+    want = {"S=1": lambda s, u, kt, r, k: s == 1,
+            "uneven k": lambda s, u, kt, r, k: s > 1 and kt % s,
+            "K%m": lambda s, u, kt, r, k: s > 1 and k % tm,
+            "tiles>CTAs": lambda s, u, kt, r, k: s == 1 and u > r}
     found = {}
     for n, c, k, sp, f in SPLIT_PROBLEMS[rank]:
         p = conv.ConvProblem("bwd_weight", n, 1, c, k, sp, f, (1,) * rank, (1,) * rank, (1,) * rank, (0,) * rank,
                              key.signature.dtype_a, key.signature.dtype_a, key.signature.dtype_a)
-        s = batch_slices(p, key)
+        s, units, ktiles, resident = wgrad_split(p, key)
         for label, ok in want.items():
-            if label not in found and ok(s, n):
-                found[label] = (f"{label} (S={s}, N={n})", p)
+            if label not in found and ok(s, units, ktiles, resident, k):
+                found[label] = (f"{label} (S={s}, {units} units, {ktiles} k tiles)", p)
     missing = set(want) - set(found)
     if missing:
         raise RuntimeError(f"{key.name}: no SPLIT_PROBLEMS case for {sorted(missing)}")
@@ -192,7 +200,7 @@ def split_cases(key) -> list:
 
 
 def check_splits(registries, rng) -> list[dict]:
-    """tma_ws_conv bwd_weight's batch split: every kind of split, with beta = 0 and with alpha/beta."""
+    """tma_ws_conv bwd_weight's split: every kind of split, with beta = 0 and with alpha/beta."""
     results = []
     for reg in registries:
         for kern in reg.kernels:

@@ -10,6 +10,7 @@ import pytest
 from conftest import compile_keys, toolchain_or_reason
 from tiledispatch import abi, backends
 from tiledispatch.ops import conv
+from tiledispatch.selection import partials_split
 from tiledispatch.spec.key import Algorithm, Epilogue, KernelKey, Signature
 
 cutlass = backends.get("cutlass")
@@ -27,8 +28,8 @@ DIRECT_FX = KernelKey(Signature("conv", "fp16", "fp16", "fp16", "fp32", "nhwgc",
 IGEMM = KernelKey(Signature("conv", "bf16", "bf16", "bf16", "fp32", "nhwgc", Epilogue(), "bwd_weight", 3),
                   Algorithm((64, 128, 32), "implicit_gemm", (2, 2, 1), (16, 8, 16), "data_parallel", 1, (1, 1, 1), 0),
                   "cutlass", "sm90a")
-# one of conv_fp16_bwd_essential's: bwd_weight has the most host code of its own (the batch split: slices,
-# workspace) besides the shared refusals (groups, channels, TMA limits, strides); bwd_data's unit-stride
+# one of conv_fp16_bwd_essential's: bwd_weight has the most host code of its own (the split of its pixel sum:
+# the cost model, workspace) besides the shared refusals (groups, channels, TMA limits, strides); bwd_data's unit-stride
 # refusal is checked on the GPU (bench/validate_conv_gpu.py)
 SM90 = KernelKey(Signature("conv", "fp16", "fp16", "fp16", "fp32", "nhwgc", Epilogue(), "bwd_weight", 2),
                  Algorithm((64, 128, 64), "tma_ws_conv", (4, 1, 1), (64, 128, 16), "data_parallel", 1, (1, 1, 1), 0),
@@ -90,14 +91,18 @@ def test_sm90_host_checks_without_a_device(libraries):
         return conv.ConvProblem("bwd_weight", n, g, c, k, size, filt, stride, 1, pad, pad, "fp16", "fp16", "fp16")
 
     args = conv.make_args(wgrad(), SM90)
-    assert lib.can_run(args) == (abi.OK, "")  # our checks and CUTLASS's can_implement on both slice sizes, host only
-    # the batch split, decided without a device: at most min(N, 32, floor(132 / tiles)), then the fewest slices
-    # with the same largest slice; S fp32 partials of K x taps x C
-    # (tiles: K / 64 x taps x ceil(C / 128), C padded per tap)
-    for problem, slices in ((wgrad(), 2), (wgrad(n=32, size=(56, 56)), 11), (wgrad(n=5, c=512), 3),
-                            (wgrad(n=32, c=256, k=64, pad=0, filt=(1, 1)), 32), (wgrad(n=8, c=512, k=512), 1)):
-        elems = problem.k * problem.c * 9 // (9 if problem.filter_size == (1, 1) else 1)
-        assert lib.workspace_bytes(conv.make_args(problem, SM90)) == -(-slices * elems * 4 // 256) * 256, problem
+    assert lib.can_run(args) == (abi.OK, "")  # our checks and CUTLASS's can_implement, host only
+    # the split, decided without a device, is the ranker's (selection.partials_split): S fp32 partials of
+    # (K rounded up to 64) x taps x C (tiles: ceil(K / 64) x taps x ceil(C / 128), C padded per tap)
+    for problem, slices in ((wgrad(), 4), (wgrad(n=32, size=(56, 56)), 14), (wgrad(n=5, c=512), 2),
+                            (wgrad(n=32, c=256, k=64, pad=0, filt=(1, 1)), 20), (wgrad(n=8, c=512, k=512), 1),
+                            (wgrad(k=48), 4)):
+        taps = 1 if problem.filter_size == (1, 1) else 9
+        m, n, red, _ = problem.gemm_shape(SM90)
+        tiles = -(-m // 64) * -(-n // 128)
+        rows, cols = -(-problem.k // 64) * 64, taps * problem.c
+        assert partials_split(SM90, tiles, -(-red // 64), rows * cols, 2)[0] == slices, problem
+        assert lib.workspace_bytes(conv.make_args(problem, SM90)) == -(-slices * rows * cols * 4 // 256) * 256, problem
     assert lib.can_run(conv.make_args(wgrad(n=5, c=512, stride=2), SM90)) == (abi.OK, "")
     assert "groups = 1" in _refusal(lib, wgrad(g=2)) and "direct or implicit_gemm" in _refusal(lib, wgrad(g=2))
     assert "multiples of 8" in _refusal(lib, wgrad(c=12))

@@ -3,6 +3,8 @@ rules with their ids, the CUTLASS types each direction and rank renders, and the
 between it and the project's own kernels."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tiledispatch import backends, codegen, kernelset
@@ -115,27 +117,36 @@ def test_render_shapes_cluster_stages_and_dtype():
     assert cutlass.templates(key()) == ["conv_sm90.cu.j2", "_conv_common.j2", "_tma_driver.j2"]
 
 
-def test_bwd_weight_splits_the_batch_and_finalizes():
+def test_bwd_weight_splits_the_pixel_sum_and_finalizes():
     text = codegen.render(key("bwd_weight", 2, (64, 128, 64)))
     assert "using ElementOut = float;" in text
-    assert "constexpr int UNITS = 132;" in text and "constexpr int MAX_SLICES = 32;" in text
-    assert "constexpr int MAX_SLICES = 28;" in codegen.render(key("bwd_weight", 3, (64, 128, 64)))
-    # one launch over every slice (grid z), each CTA taking its slice's Params from a __grid_constant__ array
-    assert "wgrad_slices(const __grid_constant__ SliceParams sp)" in text and "op(sp.p[blockIdx.z], smem);" in text
-    assert "cudaFuncSetAttribute(wgrad_slices," in text and "grid.z = unsigned(sp.slices);" in text
-    # slices of whole images, fp32 partials with alpha 1 / beta 0, then the finalize kernel applies alpha / beta
-    assert "static td_args slice_args(const td_args* args, int n0, int count)" in text
+    assert "constexpr int UNITS = 132;" in text and "constexpr double SM_FLOPS_PER_BYTE = 2.0;" in text
+    assert "constexpr int EPILOGUE_KTILES = 2;" in text
+    # our persistent kernel body on CUTLASS's collectives: units of (split, tile) over a grid of resident CTAs
+    assert "wgrad_split(const __grid_constant__ SplitParams sp)" in text
+    assert "for (int unit = int(blockIdx.x); unit < sp.units; unit += int(gridDim.x))" in text
+    assert "mainloop.load(params.mainloop, pipeline, load_state, inputs," in text and "load_state.advance(count);" in text
+    assert "mainloop.mma_tail(pipeline, mma_state, count);" in text and "mma_state.advance(count);" in text
+    assert "cudaFuncSetAttribute(wgrad_split," in text and "std::min(params.units, sms * tdk::OCCUPANCY)" in text
+    # fp32 partials with alpha 1 / beta 0, then the finalize kernel applies alpha / beta
     assert "arguments.epilogue.thread.beta = 0.0f;" in text
-    assert "__global__ void finalize_slices(" in text and "tdk::finalize_slices<<<" in text
-    assert "std::max(1, UNITS * OCCUPANCY / sp.tiles)" in text and "constexpr int OCCUPANCY = 1;" in text
+    assert "__global__ void finalize_splits(" in text and "tdk::finalize_splits<<<" in text
+    assert "constexpr int OCCUPANCY = 1;" in text
+    for gone in ("wgrad_slices", "SliceParams", "MAX_SLICES", "slice_args"):
+        assert gone not in text
     assert cutlass.templates(key("bwd_weight")) == ["conv_sm90.cu.j2", "_conv_common.j2", "_tma_driver.j2",
                                                     "_conv_sm90_wgrad.j2", "_conv_sm90_wgrad_abi.j2"]
+
+
+def test_bwd_weight_clusters_are_single_ctas():
+    assert "cutlass.conv_wgrad_cluster" in broken(key("bwd_weight", 2, (64, 128, 64), cluster=(2, 1, 1)))
+    assert "cutlass.conv_wgrad_cluster" not in broken(key("fwd", 2, cluster=(2, 1, 1)))
 
 
 @pytest.mark.parametrize("direction", ["fwd", "bwd_data"])
 def test_fwd_and_bwd_data_keep_the_unsplit_kernel(direction):
     text = codegen.render(key(direction, 2, (128, 64, 64)))
-    for split_only in ("ElementOut", "wgrad_slices", "finalize_slices", "SliceParams", "MAX_SLICES"):
+    for split_only in ("ElementOut", "wgrad_split", "finalize_splits", "SplitParams", "choose_splits"):
         assert split_only not in text
     assert "cudaFuncSetAttribute(conv_kernel," in text and "Conv::get_workspace_size(arguments);" in text
     assert "tdk::launch(tdk::conv_kernel, tdk::Conv::get_grid_shape(params), params, stream);" in text
@@ -144,7 +155,7 @@ def test_fwd_and_bwd_data_keep_the_unsplit_kernel(direction):
 @pytest.mark.parametrize("direction", ["fwd", "bwd_weight"])
 def test_occupancy_sets_the_launch_bounds_and_checks_shared_memory(direction):
     """cutlass.occupancy: the launched kernel's minimum resident CTAs, a compile-time check that that many CTAs'
-    shared memory fits the SM, and (bwd_weight) a batch split over that many CTAs per SM."""
+    shared memory fits the SM, and (bwd_weight) a persistent grid of that many CTAs per SM."""
     k = key(direction, 2, (64, 64, 64), stages=4, extras=(("cutlass.occupancy", 2),))
     text = codegen.render(k)
     assert "constexpr int OCCUPANCY = 2;" in text
@@ -223,58 +234,71 @@ def test_strided_bwd_data_falls_back_to_implicit_gemm():
     assert _ranked(p)[0].algorithm.pipeline == "implicit_gemm"
 
 
-def test_runtime_split_is_modelled_for_bwd_weight_only(monkeypatch):
-    p = _problem("bwd_weight", 32, 64, 64, (56, 56), (3, 3))
+def test_runtime_split_is_modelled_for_bwd_weight_only():
     own = KernelKey(Signature("conv", "fp16", "fp16", "fp16", "fp32", "nhwgc", Epilogue(), "bwd_weight", 2),
                     Algorithm((64, 128, 32), "implicit_gemm", (2, 2, 1), (16, 8, 16), "data_parallel"), "cutlass", "sm90a")
     assert rules.runtime_split(own).get("waves") == 2 and rules.runtime_split(own).get("over") is None
     tma = key("bwd_weight", 2, (64, 128, 64))
-    assert rules.runtime_split(tma) == {"when": rules.runtime_split(tma)["when"], "waves": 1, "over": "batch",
-                                        "max_splits": 32}
+    assert rules.runtime_split(tma) == {"when": rules.runtime_split(tma)["when"], "over": "partials",
+                                        "epilogue_ktiles": 2}
     assert rules.runtime_split(key("fwd")) == {} and rules.runtime_split(key("bwd_data")) == {}
-    # 9 output tiles, the batch of 32 in 14 slices (126 CTAs on 132 SMs; the largest slice 3 images): the
-    # estimate is 3/32 of the unsplit kernel's (one wave of 9 CTAs over all 32 images)
-    split = estimated_cost(p, tma)
-    monkeypatch.setattr(rules, "runtime_split", lambda k: {})
-    assert split == pytest.approx(estimated_cost(p, tma) * 3 / 32)
 
 
-@pytest.mark.parametrize("n, c, k, sp, f, slices", [
-    (32, 64, 64, (56, 56), (3, 3), 11),      # 9 tiles (C = 64 pads to 128 per tap): at most floor(132 / 9) = 14,
-    #                                          then the fewest with the largest slice of 3 images: 11
-    (32, 256, 64, (56, 56), (1, 1), 32),     # 2 tiles: at most max_splits (32 in 2D, kernel parameter space)
-    (32, 64, 64, (8, 56, 56), (1, 1, 1), 16),  # 3D: at most 28, then the fewest with 2 images each
-    (32, 256, 256, (14, 14), (3, 3), 1),     # 72 tiles of 64 x 128: no room for a second slice
-    (8, 64, 64, (16, 56, 56), (3, 3, 3), 4), # 27 tiles: 4 slices of 2 images
-    (3, 64, 64, (9, 9), (3, 3), 3),          # at most one slice per image
-    (5, 512, 256, (9,), (3,), 2),            # 4 x 12 tiles: 2 slices of 3 and 2 images
-])
-def test_batch_split_of_tma_ws_conv_bwd_weight(n, c, k, sp, f, slices):
-    """The rule the kernel applies (_conv_sm90_wgrad.j2: at most min(N, max_splits, max(1, floor(SMs / tiles))),
-    then the fewest slices with the same largest slice) and the ranker models."""
-    from tiledispatch.selection import _runtime_split, gemm_view
+def _split(n, c, k, sp, f, tile=(64, 128, 64), occupancy=0):
+    """(S, units, cost) the ranker models for a tma_ws_conv bwd_weight key: choose_splits' rule."""
+    from tiledispatch.selection import gemm_view, partials_split
+    extras = (("cutlass.occupancy", occupancy),) if occupancy else ()
+    kk = key("bwd_weight", len(sp), tile, stages=4 if occupancy else 0, extras=extras)
     p = _problem("bwd_weight", n, c, k, sp, f, pad=1 if f[0] == 3 else 0)
-    kk = key("bwd_weight", len(sp), (64, 128, 64))
-    m, nn, red, batch = gemm_view(p, kk)
-    tiles = -(-m // 64) * -(-nn // 128) * batch
-    assert _runtime_split(p, kk, tiles, red, 132) == slices
+    m, nn, red, _ = gemm_view(p, kk)
+    tiles = -(-m // tile[0]) * -(-nn // tile[1])
+    s, cost = partials_split(kk, tiles, -(-red // tile[2]), -(-m // tile[0]) * tile[0] * c * math.prod(f), 2)
+    return s, tiles * s, cost
 
 
-def test_batch_split_fills_the_resident_ctas(monkeypatch):
-    """With cutlass.occupancy the kernel's split fills occupancy x SMs CTA slots (_conv_sm90_wgrad.j2), and
-    the ranker models the split with the same count."""
-    from tiledispatch import selection
-    p = _problem("bwd_weight", 8, 64, 64, (16, 56, 56), (3, 3, 3), pad=1)
-    two = key("bwd_weight", 3, (64, 64, 64), stages=4, extras=(("cutlass.occupancy", 2),))
-    one = key("bwd_weight", 3, (64, 64, 64), stages=4)
-    assert selection.resident_ctas(two) == 2 and selection.resident_ctas(one) == 1
-    seen = []
-    real = selection._runtime_split
-    monkeypatch.setattr(selection, "_runtime_split", lambda *a: seen.append(a[-1]) or real(*a))
-    selection.estimated_cost(p, two), selection.estimated_cost(p, one)
-    assert seen == [264, 132]
-    # 27 output tiles of 64 x 64: 9 slots per tile with two CTAs per SM, so all 8 images get a slice (4 with one)
-    assert real(p, two, 27, 0, 264) == 8 and real(p, one, 27, 0, 132) == 4
+@pytest.mark.parametrize("n, c, k, sp, f, tile, occupancy, splits", [
+    # ResNet-50 1x1 (64 x 256, 1568 k tiles): 33 splits of 4 tiles fill the 132 SMs in one wave
+    (32, 256, 64, (56, 56), (1, 1), (64, 64, 64), 0, 33),
+    # three CTAs per SM: 396 slots, 98 splits x 4 tiles
+    (32, 256, 64, (56, 56), (1, 1), (64, 64, 64), 3, 98),
+    # late 14x14 (256 x 2304, 98 k tiles): a big fp32 partial per split, so 3 splits of 36 tiles in one wave
+    (32, 256, 256, (14, 14), (3, 3), (128, 128, 64), 0, 3),
+    # video 3D (27 tiles, 6272 k tiles): 4 splits, 108 units (one wave: never a second one of units)
+    (8, 64, 64, (16, 56, 56), (3, 3, 3), (64, 64, 64), 0, 4),
+    # three CTAs per SM: 14 splits, 378 units
+    (8, 64, 64, (16, 56, 56), (3, 3, 3), (64, 64, 64), 3, 14),
+    # conv1d (48 tiles of 128 x 128, 512 k tiles): 2 splits, 96 units
+    (16, 512, 512, (2048,), (3,), (128, 128, 64), 0, 2),
+    # ResNet-50 3x3 (9 tiles): 14 splits of 112 k tiles (whole images allowed 11 slices of 3 images)
+    (32, 64, 64, (56, 56), (3, 3), (64, 64, 64), 0, 14),
+    # 1024 x 9216 of 128 x 128 tiles fill the GPU unsplit
+    (8, 1024, 1024, (14, 14), (3, 3), (128, 128, 64), 0, 1),
+])
+def test_split_of_tma_ws_conv_bwd_weight(n, c, k, sp, f, tile, occupancy, splits):
+    """The rule the kernel applies (_conv_sm90_wgrad.j2, choose_splits) as the ranker models it."""
+    assert _split(n, c, k, sp, f, tile, occupancy)[0] == splits
+
+
+def test_split_cost_counts_waves_and_partials():
+    from tiledispatch.selection import partials_split
+    kk = key("bwd_weight", 2, (64, 64, 64))
+    # splits never start a second wave of units; more tiles than CTAs: unsplit, the cost counts its waves
+    assert partials_split(kk, 67, 1000, 0, 2)[0] == 1
+    assert partials_split(kk, 300, 10, 0, 2) == (1, 3 * (10 + 2))
+    # 1 tile, 100 k tiles, a tiny partial: more splits are nearly free until the 132 slots are full
+    s, cost = partials_split(kk, 1, 100, 64, 2)
+    assert s == 100 and cost == pytest.approx(1 * (1 + 2) + 100 * 4.0 * 64 * 2.0 / (64 * 64 * 64))
+    # a partial as costly as the whole reduction: never split
+    assert partials_split(kk, 1, 100, 64 * 64 * 64 * 100, 2)[0] == 1
+    # ties keep the fewer splits: 50 to 66 splits of 2 tiles all give 2 k tiles per unit in one wave of 132
+    assert partials_split(kk, 2, 100, 0, 2)[0] == 50
+
+
+def test_split_estimate_is_the_kernels_cost():
+    p = _problem("bwd_weight", 32, 256, 64, (56, 56), (1, 1), pad=0)
+    kk = key("bwd_weight", 2, (64, 64, 64))
+    s, units, cost = _split(32, 256, 64, (56, 56), (1, 1), (64, 64, 64))
+    assert estimated_cost(p, kk) == pytest.approx(cost * 64 * 64 * 64 / min(1.0, 32 / 96) * rules.cost_factor(kk))
 
 
 def test_cluster_grid_rounding_is_modelled():
@@ -284,3 +308,26 @@ def test_cluster_grid_rounding_is_modelled():
     assert estimated_cost(p, pair) == pytest.approx(2 * estimated_cost(p, alone))
     wide = _problem("fwd", 16, 512, 512, (2048,), (3,))  # 4 tiles along N: nothing to round
     assert estimated_cost(wide, pair) == pytest.approx(estimated_cost(wide, alone))
+
+
+def _direct(tile, direction="fwd", rank=2):
+    return KernelKey(Signature("conv", "fp16", "fp16", "fp16", "fp32", "nhwgc", Epilogue(), direction, rank),
+                     Algorithm(tile, "direct", (16, 1, 1), (tile[0] // 4, 4, 1), "data_parallel", 1, (1, 1, 1), 0,
+                               (("cutlass.cpg", 1), ("cutlass.fx", 3), ("cutlass.fy", 3), ("cutlass.kpg", 1))),
+                     "cutlass", "sm90a")
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd_data", "bwd_weight"])
+def test_direct_rows_round_up_to_whole_tiles(direction):
+    """A cutlass direct kernel computes whole tiles of tile[0] pixels along W by tile[2] rows along H: the
+    ranker counts those pixels, so a 56-wide map prefers 28-wide tiles and a 64-wide one 32-wide tiles."""
+    def pixels(size, tile):
+        p = conv.ConvProblem(direction, 2, 8, 8, 8, size, (3, 3), 1, 1, 1, 1, "fp16", "fp16", "fp16")
+        m, n, k, _ = p.gemm_shape(_direct(tile, direction))
+        return k if direction == "bwd_weight" else m
+    assert pixels((56, 56), (32, 64, 8)) == 2 * 56 * 64 and pixels((56, 56), (28, 64, 8)) == 2 * 56 * 56
+    assert pixels((50, 64), (32, 64, 8)) == 2 * 56 * 64  # rows too: 50 rounds up to 7 tiles of 8
+    for size, wide in (((56, 56), 28), ((64, 64), 32)):
+        p = conv.ConvProblem(direction, 32, 128, 128, 128, size, (3, 3), 1, 1, 1, 1, "fp16", "fp16", "fp16")
+        keys = [_Kernel(_direct(t, direction)) for t in ((32, 64, 8), (28, 64, 8))]
+        assert analytic(p, keys)[0].key.algorithm.tile[0] == wide

@@ -36,19 +36,18 @@ def estimated_cost(problem, key) -> float:
     units = compute_units(key.backend, key.arch)
     cm, cn, _ = key.algorithm.cluster  # a cluster grid rounds the tiles up to whole clusters
     output_tiles = _round_up(math.ceil(m / tm), cm) * _round_up(math.ceil(n / tn), cn) * batch
-    # a batch split fills the resident CTAs (units x the kernel's occupancy, as its C++ does)
-    runtime = _runtime_split(problem, key, output_tiles, k, units * resident_ctas(key))
-    split = key.algorithm.split_k * runtime
-    tiles = output_tiles * split
-    waves = math.ceil(tiles / units)
-    if runtime > 1 and rules.runtime_split(key).get("over") == "batch":  # the largest slice: ceil(N / S) images
-        images = problem.n
-        k_slice = math.ceil(images / runtime) * (k // images)
-    else:
-        k_slice = math.ceil(k / split)
-    k_per_tile = math.ceil(k_slice / tk) * tk
     knee = rules.backend_rules(key.backend).get("selection", {}).get("intensity_knee", 64.0)
     efficiency = min(1.0, (tm * tn / (tm + tn)) / knee)
+    entry = rules.runtime_split(key)
+    if entry.get("over") == "partials":  # persistent split-K into fp32 partials: the kernel's own cost model
+        occupancy = resident_ctas(key)
+        partial = _round_up(m, tm) * problem.c // problem.g * math.prod(problem.filter_size)
+        _, steps = partials_split(key, output_tiles, math.ceil(k / tk), partial, int(entry["epilogue_ktiles"]))
+        return steps * tm * tn * tk * occupancy / efficiency * rules.cost_factor(key)
+    runtime = _runtime_split(problem, key, output_tiles, k, units)
+    split = key.algorithm.split_k * runtime
+    waves = math.ceil(output_tiles * split / units)
+    k_per_tile = math.ceil(math.ceil(k / split) / tk) * tk
     return waves * tm * tn * k_per_tile / efficiency * rules.cost_factor(key)
 
 
@@ -57,21 +56,34 @@ def _round_up(x: int, multiple: int) -> int:
 
 
 def _runtime_split(problem, key, output_tiles: int, k: int, units: int) -> int:
-    """Reduction splits a kernel chooses at run time (rules' selection.runtime_splits): enough to fill the
-    given waves of blocks, at most one per k tile (the rule of templates/cutlass/conv_igemm.cu.j2), or, split
-    over the batch, at most one per image and max_splits (templates/cutlass/_conv_sm90_wgrad.j2)."""
-    entry = rules.runtime_split(key)
-    waves = int(entry.get("waves", 0))
+    """Reduction splits a kernel chooses at run time (rules' selection.runtime_splits `waves`): enough to fill
+    the given waves of blocks, at most one per k tile (the rule of templates/cutlass/conv_igemm.cu.j2)."""
+    waves = int(rules.runtime_split(key).get("waves", 0))
     if not waves:
         return 1
-    if entry.get("over") == "batch":
-        want = max(1, waves * units // output_tiles)  # whole waves: a partial second wave costs a full one
-        most = min(problem.n, int(entry.get("max_splits", problem.n)), want)
-        return -(-problem.n // -(-problem.n // most))  # the fewest slices with the same largest slice
     ktiles = max(1, math.ceil(k / key.algorithm.tile[2]))
     want = min(max(1, math.ceil(waves * units / output_tiles)), ktiles)
     per = math.ceil(ktiles / want)
     return math.ceil(ktiles / per)
+
+
+def partials_split(key, tiles: int, ktiles: int, partial_elems: int, epilogue_ktiles: int) -> tuple[int, float]:
+    """(S, cost) of a persistent split-K kernel writing S fp32 partials (templates/cutlass/_conv_sm90_wgrad.j2,
+    choose_splits, the same rule): S in [1, max(1, slots / tiles)] (one wave of units) minimizing (k tiles per
+    unit + epilogue) + S x (one partial written and summed), in k tiles of one CTA's main loop; ties keep the
+    fewer splits. The cost counts the waves of an unsplit kernel with more tiles than resident CTAs."""
+    tm, tn, tk = key.algorithm.tile
+    occupancy = resident_ctas(key)
+    slots = compute_units(key.backend, key.arch) * occupancy
+    flops_per_byte = float(rules.archs(key.backend)[key.arch]["sm_flops_per_byte"])
+    partial = 4.0 * partial_elems * flops_per_byte / (tm * tn * tk * occupancy)
+    best, best_cost = 1, 0.0
+    for s in range(1, max(1, min(ktiles, slots // tiles)) + 1):
+        cost = (math.ceil(ktiles / s) + epilogue_ktiles) + s * partial
+        if s == 1 or cost < best_cost:
+            best, best_cost = s, cost
+    waves = math.ceil(tiles * best / slots)
+    return best, best_cost + (waves - 1) * (math.ceil(ktiles / best) + epilogue_ktiles)
 
 
 def analytic(problem, kernels) -> list:

@@ -75,13 +75,18 @@ def _sm90_context(key: KernelKey) -> dict:
         # dY / dW of bwd_weight are small next to its reduction; CUTLASS's own wgrad kernels store directly
         "epilogue_schedule": "cutlass::epilogue::" + ("NoSmemWarpSpecialized" if wgrad else "TmaWarpSpecialized"),
         "align": 16 // dtype(sig.dtype_a).itemsize,
-        # bwd_weight writes fp32 partial dW per batch slice (the workspace) through its own launch of the
-        # kernel (wgrad_slices, grid z = slice), then finalize_slices sums and converts them into W
+        # bwd_weight writes fp32 partial dW per k range (the workspace) from our persistent kernel body
+        # (wgrad_split), then finalize_splits sums and converts them into W
         "out_element": "ElementOut" if wgrad else "Element",
         "out_align": "OUT_ALIGN" if wgrad else "ALIGN",
-        "launched_kernel": "wgrad_slices" if wgrad else "conv_kernel",
+        "launched_kernel": "wgrad_split" if wgrad else "conv_kernel",
         "occupancy": alg.extra("cutlass.occupancy", 0) or 1,
         "sm_smem_bytes": rules.archs("cutlass")[key.arch]["sm_smem_bytes"],
         "compute_units": rules.archs("cutlass")[key.arch]["compute_units"],
-        "max_slices": rules.runtime_split(key).get("max_splits", 1),
-    }
+    } | (_wgrad_split_context(key) if wgrad else {})
+
+
+def _wgrad_split_context(key: KernelKey) -> dict:
+    """bwd_weight's split cost model (rules: archs.sm_flops_per_byte, selection.runtime_splits)."""
+    return {"sm_flops_per_byte": rules.archs("cutlass")[key.arch]["sm_flops_per_byte"],
+            "epilogue_ktiles": rules.runtime_split(key)["epilogue_ktiles"]}

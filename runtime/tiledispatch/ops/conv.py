@@ -144,15 +144,27 @@ class ConvProblem:
             return kg, per_tap(cg, tn), self.n * prod(self.out_size), self.g
         if key is not None and key.algorithm.pipeline == "direct":
             if self.direction == "fwd":
-                return self.n * prod(self.out_size), self.k, taps * cg, 1
+                return self._direct_pixels(self.out_size, key), self.k, taps * cg, 1
             if self.direction == "bwd_data":
-                return self.n * prod(self.in_size), self.c, taps * kg, 1
-            return taps * cg, self.k, self.n * prod(self.out_size), 1
+                return self._direct_pixels(self.in_size, key), self.c, taps * kg, 1
+            return taps * cg, self.k, self._direct_pixels(self.out_size, key), 1
         if self.direction == "fwd":
             return self.n * prod(self.out_size), kg, taps * cg, self.g
         if self.direction == "bwd_data":
             return self.n * prod(self.in_size), cg, taps * kg, self.g
         return kg, taps * cg, self.n * prod(self.out_size), self.g
+
+    def _direct_pixels(self, sizes: tuple[int, ...], key: KernelKey) -> int:
+        """Pixels a direct kernel computes over `sizes` (per image): the cutlass kernels tile tile[0] pixels along
+        W by tile[2] rows along H, so rows and columns round up to whole tiles (a 56-wide row in 32-wide tiles
+        computes 64 pixels; in 28-wide ones, 56)."""
+        padded = list(sizes)
+        if key.backend == "cutlass":
+            tw, th = key.algorithm.tile[0], key.algorithm.tile[2]
+            padded[-1] = -(-padded[-1] // tw) * tw
+            if len(padded) > 1:
+                padded[-2] = -(-padded[-2] // th) * th
+        return self.n * prod(padded)
 
     # -- matching ---------------------------------------------------------------------------------
     def mismatch(self, key: KernelKey) -> Optional[str]:

@@ -7,7 +7,7 @@ MIOpen do for pointwise layers.
     bwd_data  dX[NP, C] = dY[NP, K] . W[K, C]      (layout rrr)
 
 bwd_weight (dW = dY^T . X) is left to the conv kernels: its reduction runs over every pixel of the batch, which
-needs a split / stream-K GEMM, and the conv kernels' batch split already provides one.
+needs a split / stream-K GEMM, and the conv kernels' persistent split-K already provides one.
 """
 from __future__ import annotations
 

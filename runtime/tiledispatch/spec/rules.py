@@ -170,9 +170,8 @@ def cost_factor(key: KernelKey) -> float:
 @functools.lru_cache(maxsize=4096)
 def runtime_split(key: KernelKey) -> dict:
     """The rules' selection.runtime_splits entry for the key ({} for none): a kernel that splits its reduction at
-    run time until its blocks fill `waves` waves of the GPU, which the analytic ranker must model; `over` says
-    what it splits (k: the reduction's k tiles, the default; batch: whole images, at most N slices) and
-    `max_splits` caps the count."""
+    run time, which the analytic ranker must model: until its blocks fill `waves` waves of the GPU, or, with
+    `over: partials`, by the persistent split-K cost model (selection.partials_split, `epilogue_ktiles`)."""
     return dict(next(_selection_entries(key, "runtime_splits"), {}))
 
 
