@@ -58,6 +58,8 @@ for d in ("fwd", "bwd_data"):
         (direct(d, 2, cpg=4, kpg=4, fx=3, fy=3), "g4", 3, ALL_2D),
         (direct(d, 2, cpg=1, kpg=2, fx=3, fy=3), "multiplier", 3, ("s1d1", "s2d1", "s1d2")),
         (direct(d, 2, cpg=1, kpg=1, fx=5, fy=3, mm=8), "depthwise", (3, 5), ("s1d1", "s2d2", "sh2dw2", "sw2dh2")),
+        # 7 pixels per thread (the shipped 28-wide tiles for 56-wide maps), rows of two pixel groups
+        (direct(d, 2, cpg=1, kpg=1, fx=3, fy=3, tile=(14, 16, 4), mm=7), "depthwise", 3, ALL_2D),
         (direct(d, 1, vl=8, cpg=1, kpg=1, fx=4), "depthwise", 4, tuple(ce.GEOMETRIES)),
         (direct(d, 3, cpg=1, kpg=1, fx=3, fy=3), "depthwise", 3, ("s1d1", "s2d1", "s1d2")),
     ]

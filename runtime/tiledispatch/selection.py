@@ -41,10 +41,10 @@ def estimated_cost(problem, key) -> float:
     entry = rules.runtime_split(key)
     if entry.get("over") == "partials":  # persistent split-K into fp32 partials: the kernel's own cost model
         occupancy = resident_ctas(key)
-        partial = _round_up(m, tm) * problem.c // problem.g * math.prod(problem.filter_size)
+        partial = _round_up(m, tm) * (problem.c // problem.g) * math.prod(problem.filter_size)  # rows x taps*C
         _, steps = partials_split(key, output_tiles, math.ceil(k / tk), partial, int(entry["epilogue_ktiles"]))
         return steps * tm * tn * tk * occupancy / efficiency * rules.cost_factor(key)
-    runtime = _runtime_split(problem, key, output_tiles, k, units)
+    runtime = _runtime_split(key, output_tiles, k, units)
     split = key.algorithm.split_k * runtime
     waves = math.ceil(output_tiles * split / units)
     k_per_tile = math.ceil(math.ceil(k / split) / tk) * tk
@@ -55,7 +55,7 @@ def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
-def _runtime_split(problem, key, output_tiles: int, k: int, units: int) -> int:
+def _runtime_split(key, output_tiles: int, k: int, units: int) -> int:
     """Reduction splits a kernel chooses at run time (rules' selection.runtime_splits `waves`): enough to fill
     the given waves of blocks, at most one per k tile (the rule of templates/cutlass/conv_igemm.cu.j2)."""
     waves = int(rules.runtime_split(key).get("waves", 0))
