@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import sys
 import time
 
@@ -168,13 +167,8 @@ SPLIT_PROBLEMS = {
 
 def wgrad_split(p, key) -> tuple[int, int, int, int]:
     """(S, units, ktiles, resident CTAs) of the kernel on the problem (the ranker models its rule)."""
-    from tiledispatch.selection import compute_units, gemm_view, partials_split, resident_ctas
-    from tiledispatch.spec import rules
-    m, n, k, _ = gemm_view(p, key)
-    tm, tn, tk = key.algorithm.tile
-    tiles, ktiles = -(-m // tm) * -(-n // tn), -(-k // tk)
-    partial = -(-m // tm) * tm * p.c * math.prod(p.filter_size)
-    s, _ = partials_split(key, tiles, ktiles, partial, rules.runtime_split(key)["epilogue_ktiles"])
+    from tiledispatch.selection import compute_units, conv_partials_split, resident_ctas
+    s, tiles, ktiles, _ = conv_partials_split(p, key)
     return s, tiles * s, ktiles, compute_units(key.backend, key.arch) * resident_ctas(key)
 
 

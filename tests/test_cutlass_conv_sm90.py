@@ -3,8 +3,6 @@ rules with their ids, the CUTLASS types each direction and rank renders, and the
 between it and the project's own kernels."""
 from __future__ import annotations
 
-import math
-
 import pytest
 
 from tiledispatch import backends, codegen, kernelset
@@ -246,13 +244,10 @@ def test_runtime_split_is_modelled_for_bwd_weight_only():
 
 def _split(n, c, k, sp, f, tile=(64, 128, 64), occupancy=0):
     """(S, units, cost) the ranker models for a tma_ws_conv bwd_weight key: choose_splits' rule."""
-    from tiledispatch.selection import gemm_view, partials_split
+    from tiledispatch.selection import conv_partials_split
     extras = (("cutlass.occupancy", occupancy),) if occupancy else ()
     kk = key("bwd_weight", len(sp), tile, stages=4 if occupancy else 0, extras=extras)
-    p = _problem("bwd_weight", n, c, k, sp, f, pad=1 if f[0] == 3 else 0)
-    m, nn, red, _ = gemm_view(p, kk)
-    tiles = -(-m // tile[0]) * -(-nn // tile[1])
-    s, cost = partials_split(kk, tiles, -(-red // tile[2]), -(-m // tile[0]) * tile[0] * c * math.prod(f), 2)
+    s, tiles, _, cost = conv_partials_split(_problem("bwd_weight", n, c, k, sp, f, pad=1 if f[0] == 3 else 0), kk)
     return s, tiles * s, cost
 
 

@@ -38,12 +38,9 @@ def estimated_cost(problem, key) -> float:
     output_tiles = _round_up(math.ceil(m / tm), cm) * _round_up(math.ceil(n / tn), cn) * batch
     knee = rules.backend_rules(key.backend).get("selection", {}).get("intensity_knee", 64.0)
     efficiency = min(1.0, (tm * tn / (tm + tn)) / knee)
-    entry = rules.runtime_split(key)
-    if entry.get("over") == "partials":  # persistent split-K into fp32 partials: the kernel's own cost model
-        occupancy = resident_ctas(key)
-        partial = _round_up(m, tm) * (problem.c // problem.g) * math.prod(problem.filter_size)  # rows x taps*C
-        _, steps = partials_split(key, output_tiles, math.ceil(k / tk), partial, int(entry["epilogue_ktiles"]))
-        return steps * tm * tn * tk * occupancy / efficiency * rules.cost_factor(key)
+    if rules.runtime_split(key).get("over") == "partials":  # persistent split-K: the kernel's own cost model
+        _, _, _, steps = conv_partials_split(problem, key)
+        return steps * tm * tn * tk * resident_ctas(key) / efficiency * rules.cost_factor(key)
     runtime = _runtime_split(key, output_tiles, k, units)
     split = key.algorithm.split_k * runtime
     waves = math.ceil(output_tiles * split / units)
@@ -65,6 +62,17 @@ def _runtime_split(key, output_tiles: int, k: int, units: int) -> int:
     want = min(max(1, math.ceil(waves * units / output_tiles)), ktiles)
     per = math.ceil(ktiles / want)
     return math.ceil(ktiles / per)
+
+
+def conv_partials_split(problem, key) -> tuple[int, int, int, float]:
+    """(S, output tiles, k tiles, cost) of a tma_ws_conv bwd_weight kernel on a conv problem: its tiles of the
+    (K, taps x C) output, the k tiles of its pixel sum and one partial of (K rounded up to the tile) x taps x C."""
+    m, n, k, _ = gemm_view(problem, key)
+    tm, tn, tk = key.algorithm.tile
+    tiles, ktiles = math.ceil(m / tm) * math.ceil(n / tn), math.ceil(k / tk)
+    partial = _round_up(m, tm) * (problem.c // problem.g) * math.prod(problem.filter_size)
+    s, cost = partials_split(key, tiles, ktiles, partial, int(rules.runtime_split(key)["epilogue_ktiles"]))
+    return s, tiles, ktiles, cost
 
 
 def partials_split(key, tiles: int, ktiles: int, partial_elems: int, epilogue_ktiles: int) -> tuple[int, float]:
