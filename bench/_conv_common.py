@@ -37,23 +37,20 @@ def expected_refusal(key, problem):
     alg = key.algorithm
     if alg.pipeline == "tma_ws_conv" and problem.direction == "bwd_data" and set(problem.stride) != {1}:
         return "unit stride"  # CUTLASS's SM90 dgrad has no strided variant; implicit_gemm covers it
-    if alg.pipeline == "direct" and problem.spatial_dims == 2 and problem.direction == "fwd":
-        # a 2D direct fwd tile keeps one input halo plane (fp16) and the block's weights (fp32) in shared memory;
-        # a large filter with stride and dilation 2 can outgrow it (the kernel says so; selection falls back)
+    if alg.pipeline == "direct" and problem.spatial_dims == 2 and problem.direction in ("fwd", "bwd_weight"):
+        # a 2D direct tile keeps one input halo plane (fp16) in shared memory with the block's weights (fwd,
+        # fp32) or its dY tile (fp16) and sums (fp32) (bwd_weight); a large filter with stride and dilation 2 can
+        # outgrow it (the kernel says so; selection falls back)
         (tw, lanes, th), (fy, fx) = alg.tile, problem.filter_size
         (sy, sx), (dy, dx) = problem.stride, problem.dilation
-        halo = ((th - 1) * sy + (fy - 1) * dy + 1) * ((tw - 1) * sx + (fx - 1) * dx + 1) * lanes * 2
-        if halo + fy * fx * lanes * 4 > rules.archs(key.backend)[key.arch]["smem_bytes"]:
-            return "bytes of shared memory"
-    if alg.pipeline == "direct" and problem.spatial_dims == 2 and problem.direction == "bwd_weight":
-        # a 2D direct wgrad tile keeps one X halo plane and the dY tile (fp16) and the block's sums (fp32) in
-        # shared memory; a 7x7 filter with stride and dilation 2 outgrows it (the kernel says so; selection falls back)
-        (tw, lanes, th), (fy, fx) = alg.tile, problem.filter_size
-        (sy, sx), (dy, dx) = problem.stride, problem.dilation
-        cg, kg = problem.c // problem.g, problem.k // problem.g
-        channels = max(1, lanes // kg) * cg  # the halo's channels: the groups of the block's lanes
-        halo = ((th - 1) * sy + (fy - 1) * dy + 1) * ((tw - 1) * sx + (fx - 1) * dx + 1) * channels * 2
-        if halo + th * tw * lanes * 2 + fy * fx * cg * lanes * 4 > rules.archs(key.backend)[key.arch]["smem_bytes"]:
+        pixels = ((th - 1) * sy + (fy - 1) * dy + 1) * ((tw - 1) * sx + (fx - 1) * dx + 1)
+        if problem.direction == "fwd":
+            need = pixels * lanes * 2 + fy * fx * lanes * 4
+        else:
+            cg, kg = problem.c // problem.g, problem.k // problem.g
+            channels = max(1, lanes // kg) * cg  # the halo's channels: the groups of the block's lanes
+            need = pixels * channels * 2 + th * tw * lanes * 2 + fy * fx * cg * lanes * 4
+        if need > rules.archs(key.backend)[key.arch]["smem_bytes"]:
             return "bytes of shared memory"
     return None
 

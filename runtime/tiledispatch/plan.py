@@ -111,13 +111,9 @@ class Plan:
             self._prepare(tensors, prints)
         self.launch_pointers(tuple([p[0] for p in prints]))
 
-    def launch(self, prints: list) -> None:
-        """The fast path: tensors whose fingerprints equal the validated ones (the caller checked)."""
-        self.launch_pointers(tuple([p[0] for p in prints]))
-
     def launch_pointers(self, ptrs: tuple) -> None:
-        """launch() given the tensors' data pointers in slot order; only pointers that changed since the
-        last launch are written into the prepared arguments."""
+        """The fast path: the data pointers, in slot order, of tensors whose fingerprints equal the validated
+        ones (the caller checked); only pointers that changed since the last launch are written."""
         if ptrs != self._ptrs:
             for slot, ptr in zip(self._slot_structs, ptrs):
                 slot.data = ptr

@@ -32,15 +32,15 @@ def resident_ctas(key) -> int:
 def estimated_cost(problem, key) -> float:
     """Relative time of one kernel on one problem (lower is better); only the ranking matters."""
     tm, tn, tk = key.algorithm.tile
-    m, n, k, batch = gemm_view(problem, key)
-    units = compute_units(key.backend, key.arch)
-    cm, cn, _ = key.algorithm.cluster  # a cluster grid rounds the tiles up to whole clusters
-    output_tiles = _round_up(math.ceil(m / tm), cm) * _round_up(math.ceil(n / tn), cn) * batch
     knee = rules.backend_rules(key.backend).get("selection", {}).get("intensity_knee", 64.0)
     efficiency = min(1.0, (tm * tn / (tm + tn)) / knee)
     if rules.runtime_split(key).get("over") == "partials":  # persistent split-K: the kernel's own cost model
         _, _, _, steps = conv_partials_split(problem, key)
         return steps * tm * tn * tk * resident_ctas(key) / efficiency * rules.cost_factor(key)
+    m, n, k, batch = gemm_view(problem, key)
+    units = compute_units(key.backend, key.arch)
+    cm, cn, _ = key.algorithm.cluster  # a cluster grid rounds the tiles up to whole clusters
+    output_tiles = _round_up(math.ceil(m / tm), cm) * _round_up(math.ceil(n / tn), cn) * batch
     runtime = _runtime_split(key, output_tiles, k, units)
     split = key.algorithm.split_k * runtime
     waves = math.ceil(output_tiles * split / units)
