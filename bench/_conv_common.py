@@ -25,10 +25,9 @@ def kind_of(key) -> tuple[str, ...]:
     if alg.pipeline == "implicit_gemm":
         return ("dense", "g16", "g64")
     cpg = alg.extra("cutlass.cpg", 0)
-    if cpg == 1:
-        return ("depthwise",)
-    if cpg == 4:
-        return ("g4",)
+    specialized = {1: ("depthwise",), 4: ("g4",), 16: ("g16",)}
+    if cpg in specialized:
+        return specialized[cpg]
     return ("g4", "depthwise", "multiplier", "odd")
 
 
@@ -37,14 +36,23 @@ def expected_refusal(key, problem):
     alg = key.algorithm
     if alg.pipeline == "tma_ws_conv" and problem.direction == "bwd_data" and set(problem.stride) != {1}:
         return "unit stride"  # CUTLASS's SM90 dgrad has no strided variant; implicit_gemm covers it
-    if alg.pipeline == "direct" and problem.spatial_dims == 2 and problem.direction in ("fwd", "bwd_weight"):
+    if alg.pipeline == "direct_mma" and problem.direction == "bwd_data" and set(problem.stride) != {1}:
+        return "unit stride only"
+    if alg.pipeline in ("direct", "direct_mma") and problem.spatial_dims == 2 and problem.direction in ("fwd", "bwd_weight"):
         # a 2D direct tile keeps one input halo plane (fp16) in shared memory with the block's weights (fwd,
-        # fp32) or its dY tile (fp16) and sums (fp32) (bwd_weight); a large filter with stride and dilation 2 can
-        # outgrow it (the kernel says so; selection falls back)
+        # fp32; direct_mma: fp16 mma fragments of 8 x 8 per tap pair and 8 lanes, halo pixels padded to an odd
+        # number of 16-byte pieces) or its dY tile (fp16) and sums (fp32) (bwd_weight); a large filter with
+        # stride and dilation 2 can outgrow it (the kernel says so; selection falls back)
         (tw, lanes, th), (fy, fx) = alg.tile, problem.filter_size
         (sy, sx), (dy, dx) = problem.stride, problem.dilation
         pixels = ((th - 1) * sy + (fy - 1) * dy + 1) * ((tw - 1) * sx + (fx - 1) * dx + 1)
-        if problem.direction == "fwd":
+        if alg.pipeline == "direct_mma":
+            cpg = alg.extra("cutlass.cpg", 0)
+            cbs = -(-(lanes if lanes % cpg == 0 else cpg) // 8) * 8
+            pitch = cbs + 8 if cbs % 16 == 0 else cbs
+            ksteps = -(-(fy * fx * max(1, cpg // 8)) // 2)
+            need = pixels * pitch * 2 + ksteps * lanes // 8 * 256
+        elif problem.direction == "fwd":
             need = pixels * lanes * 2 + fy * fx * lanes * 4
         else:
             cg, kg = problem.c // problem.g, problem.k // problem.g

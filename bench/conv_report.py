@@ -42,6 +42,8 @@ def merge(runs: list[dict]) -> dict:
         row = dict(min(rows, key=lambda r: r.get("best_ms", math.inf)))
         row["cudnn_ms"] = min(r["cudnn_ms"] for r in rows)
         row["cudnn_single_ms"] = min(r["cudnn_single_ms"] for r in rows)
+        if all("copy_ms" in r for r in rows):
+            row["copy_ms"] = min(r["copy_ms"] for r in rows)
         for ms, field, _ in SPEEDUPS:
             if all(ms in r for r in rows):
                 row[ms] = min(r[ms] for r in rows)
@@ -58,11 +60,15 @@ def short(kernel: str) -> str:
 
 
 def table(data: dict) -> str:
-    out = ["| case | dir | cuDNN us | ours us | TF/s ours | x ours (best) | x shipped | x selected | single cuDNN / ours us "
-           "| x single | rel. error | best kernel |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    # copy us: a device copy of the problem's minimum bytes; x cap = cuDNN / copy, the most a kernel can gain
+    out = ["| case | dir | cuDNN us | ours us | TF/s ours | copy us | x cap | x ours (best) | x shipped | x selected "
+           "| single cuDNN / ours us | x single | rel. error | best kernel |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in data["results"]:
         tflops = r["flops"] / (r["best_ms"] * 1e-3) / 1e12
+        copy = (f"{r['copy_ms'] * 1e3:.1f} | {r['cudnn_ms'] / r['copy_ms']:.2f}" if "copy_ms" in r else "- | -")
         out.append(f"| {r['case']} | {r['direction']} | {r['cudnn_ms'] * 1e3:.1f} | {r['best_ms'] * 1e3:.1f} | {tflops:.1f} | "
+                   f"{copy} | "
                    f"**{r['speedup_best']:.2f}** | {r['speedup_best_shipped']:.2f} | {r['speedup_selected']:.2f} | "
                    f"{r['cudnn_single_ms'] * 1e3:.0f} / {r['best_single_ms'] * 1e3:.0f} | {r['speedup_best_single']:.2f} | "
                    f"{r['best_rel_error']:.1e} | `{short(r['best_kernel'])}` |")

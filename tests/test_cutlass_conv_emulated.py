@@ -80,6 +80,32 @@ FILTER_CASES += [
 ]
 
 
+
+def mma(direction, rank, cpg, f, tile, warps, dtype="fp16"):
+    fx, fy = (f, 0) if rank == 1 else (f, f)
+    return ce.conv_key(direction, rank, "direct_mma", tile, (16, 8, 16), warps, dtype, cpg, cpg, fx=fx, fy=fy)
+
+
+# direct_mma (tensor cores over block-diagonal weights): each group width's k items (C/G <= 8: a chunk's own
+# channels; C/G >= 8: 8-channel blocks of its group), warps along pixels and along lanes, warp tiles of several m16
+# blocks and n8 chunks, m16 blocks spanning tile rows (tile width 8 / 12 / 28), partial lane blocks (12 lanes in a
+# 16-lane block, no 16-byte rows), an odd k item count (3 x 3 taps); bwd_data at unit stride only
+UNIT = ("s1d1", "s1d2")
+MMA_CASES = []
+for d in ("fwd", "bwd_data"):
+    geos = ALL_2D if d == "fwd" else UNIT
+    MMA_CASES += [
+        (mma(d, 2, 4, 3, (8, 16, 4), (2, 1, 1)), ("g4", "g4x3"), 3, geos),
+        (mma(d, 2, 1, 3, (12, 16, 4), (1, 2, 1), "bf16"), ("depthwise",), 3, geos),
+        (mma(d, 2, 2, 3, (28, 8, 4), (7, 1, 1)), ("g2",), 3, UNIT + ("s2d1",)),
+        (mma(d, 2, 8, 3, (8, 16, 4), (2, 1, 1)), ("g8",), 3, UNIT + ("s2d2",)),
+        (mma(d, 2, 16, 3, (16, 32, 2), (1, 2, 1)), ("g16",), 3, UNIT + ("s2d1",)),
+        (mma(d, 2, 32, 3, (8, 16, 4), (2, 1, 1)), ("g32",), 3, ("s1d1",)),
+        (mma(d, 1, 1, 4, (32, 16, 1), (2, 1, 1)), ("depthwise",), 4, geos if d == "bwd_data" else tuple(ce.GEOMETRIES)),
+        (mma(d, 3, 4, 3, (8, 16, 2), (1, 2, 1)), ("g4",), 3, UNIT + ("s2d2",)),
+    ]
+
+
 @pytest.fixture(scope="module")
 def libs(tmp_path_factory):
     return {}, tmp_path_factory.mktemp("emulated")
@@ -208,3 +234,55 @@ def test_compile_time_filter_refusals(libs):
         assert status == abi.UNSUPPORTED and all(ph in reason for ph in phrases), (key.name, reason)
         if same is not None:
             assert lib.can_run(conv.make_args(same, key)) == (abi.OK, ""), key.name
+
+
+@pytest.mark.parametrize("key,kinds,f,geos", MMA_CASES, ids=lambda v: v.name[:40] + v.name[-30:]
+                         if hasattr(v, "name") else None)
+def test_direct_mma_matches_reference(libs, key, kinds, f, geos):
+    cache, tmp = libs
+    lib = cache.setdefault(key.name, ce.build(key, tmp))
+    sig = key.signature
+    geos = tuple(g for g in geos if sig.direction == "fwd" or g in UNIT)
+    failures = []
+    for i, (kind, geo) in enumerate((k, g) for k in kinds for g in geos):
+        res = ce.check(lib, key, sig.direction, sig.spatial_dims, kind, geo, seed=i, sizes=_filter_sizes(sig.spatial_dims, f))
+        if not res["passed"]:
+            failures.append(f"{kind} {geo}: {res}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("direction", ("fwd", "bwd_data"))
+def test_direct_mma_alpha_beta_one_plane(libs, direction):
+    """alpha / beta on the 32-bit pair stores, and a 3D halo taken one depth plane at a time (small shared memory)."""
+    import numpy as np
+
+    from tiledispatch import validation
+
+    cache, tmp = libs
+    key = mma(direction, 3, 4, 3, (8, 16, 2), (1, 2, 1))
+    lib = cache.setdefault(f"{key.name}_12000", ce.build(key, tmp, smem_limit=12000))
+    rng = np.random.default_rng(5)
+    p, data, expect = ce.case(rng, direction, 3, "g4", "s1d2", sizes=_filter_sizes(3, 3))
+    written = conv.WRITES[direction]
+    data[written][...] = validation.random_array(rng, data[written].shape, "fp16")
+    old = data[written].astype(np.float64)
+    status, reason, out = ce.run(lib, key, p, data, alpha=0.75, beta=-1.25)
+    assert status == abi.OK, reason
+    res = validation.compare(out, 0.75 * expect - 1.25 * old, key)
+    assert res["passed"], res
+
+
+def test_direct_mma_refusals(libs):
+    """direct_mma refuses strided bwd_data, other group widths and other filters, saying why."""
+    cache, tmp = libs
+    key = mma("bwd_data", 2, 4, 3, (8, 16, 4), (2, 1, 1))
+    lib = cache.setdefault(key.name, ce.build(key, tmp))
+
+    def prob(g, cg, stride, filt=(3, 3)):
+        return conv.ConvProblem("bwd_data", 1, g, g * cg, g * cg, (9, 9), filt, stride, 1, 1, 1, "fp16", "fp16", "fp16")
+
+    for problem, phrase in ((prob(4, 4, 2), "unit stride only"), (prob(2, 8, 1), "specialized for C/G = 4"),
+                            (prob(4, 4, 1, (5, 5)), "3 x 3 filter")):
+        status, reason = lib.can_run(conv.make_args(problem, key))
+        assert status == abi.UNSUPPORTED and phrase in reason, reason
+    assert lib.can_run(conv.make_args(prob(4, 4, 1), key)) == (abi.OK, "")

@@ -1,7 +1,8 @@
 """cutlass backend, convolution: which templates a conv key uses and the values they see.
 
-Pipelines `direct` (CUDA cores, shared-memory halos, narrow groups and depthwise) and `implicit_gemm`
-(mma.sync tensor cores, dense and wide groups) are the project's own CUDA (templates/cutlass/conv_*.cu.j2);
+Pipelines `direct` (CUDA cores, shared-memory halos, narrow groups and depthwise), `direct_mma` (the same
+halos and blocks, the taps summed by mma.sync over block-diagonal weights) and `implicit_gemm` (mma.sync
+tensor cores, dense and wide groups) are the project's own CUDA (templates/cutlass/conv_*.cu.j2);
 `tma_ws_conv` instantiates CUTLASS 3.x's SM90 implicit-GEMM convolution (conv_sm90.cu.j2, groups = 1).
 See rules/cutlass.yaml for what the key fields mean.
 """
@@ -27,10 +28,12 @@ def templates(key: KernelKey) -> list[str]:
     if alg.pipeline == "direct":
         main = "conv_direct_bwd_weight.cu.j2" if sig.direction == "bwd_weight" else "conv_direct.cu.j2"
         return [main, "_conv_common.j2", "_conv_direct.j2"]
+    if alg.pipeline == "direct_mma":
+        return ["conv_direct.cu.j2", "_conv_common.j2", "_conv_direct.j2", "_conv_direct_mma.j2", "_mma_sync.j2"]
     if alg.pipeline == "tma_ws_conv":
         wgrad = ["_conv_sm90_wgrad.j2", "_conv_sm90_wgrad_abi.j2"] if sig.direction == "bwd_weight" else []
         return ["conv_sm90.cu.j2", "_conv_common.j2", "_tma_driver.j2"] + wgrad
-    return ["conv_igemm.cu.j2", "_conv_common.j2"]
+    return ["conv_igemm.cu.j2", "_conv_common.j2", "_mma_sync.j2"]
 
 
 def context(key: KernelKey) -> dict:
@@ -41,12 +44,13 @@ def context(key: KernelKey) -> dict:
         "smem_limit": rules.archs("cutlass")[key.arch]["smem_bytes"],
         "direction": sig.direction,
     }
-    if alg.pipeline == "direct":
+    if alg.pipeline in ("direct", "direct_mma"):
         # lanes per group (LG) and reduction channels per group (RG), 0 = read at run time
         cpg, kpg = alg.extra("cutlass.cpg", 0), alg.extra("cutlass.kpg", 0)
         lg, rg = (cpg, kpg) if sig.direction == "bwd_data" else (kpg, cpg)
         # compile-time filter width / height (cutlass.fx / cutlass.fy), 0 = read at run time
-        ctx.update(threads=alg.warps[0] * 32, lg=lg, rg=rg, fx=alg.extra("cutlass.fx", 0), fy=alg.extra("cutlass.fy", 0))
+        ctx.update(threads=alg.warps[0] * alg.warps[1] * 32, lg=lg, rg=rg, fx=alg.extra("cutlass.fx", 0),
+                   fy=alg.extra("cutlass.fy", 0), tc=alg.pipeline == "direct_mma", mma_type=_MMA_TYPE.get(sig.dtype_a))
         # bwd_weight's register window: pixels along W a thread takes at a time (the largest of 4, 2, 1 dividing
         # the tile width tile[0])
         ctx.update(pxw=next(n for n in (4, 2, 1) if alg.tile[0] % n == 0))

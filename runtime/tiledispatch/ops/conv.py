@@ -129,7 +129,7 @@ class ConvProblem:
 
     def gemm_shape(self, key: Optional[KernelKey] = None) -> tuple[int, int, int, int]:
         """(m, n, k, batch) of the GEMM the direction performs: one per group (batch G), or, for a key whose
-        pipeline runs the channels of all groups as vector lanes ("direct"), one GEMM with G x channels columns."""
+        pipeline runs the channels of all groups as lanes ("direct", "direct_mma"), one GEMM with G x channels columns."""
         cg, kg, taps = self.c // self.g, self.k // self.g, prod(self.filter_size)
         if key is not None and key.algorithm.pipeline == "tma_ws_conv":
             # CUTLASS tiles the channels of each filter tap separately (the (C, taps) mode is hierarchical):
@@ -142,7 +142,7 @@ class ConvProblem:
             if self.direction == "bwd_data":
                 return self.n * prod(self.in_size), cg, per_tap(kg, tk), self.g
             return kg, per_tap(cg, tn), self.n * prod(self.out_size), self.g
-        if key is not None and key.algorithm.pipeline == "direct":
+        if key is not None and key.algorithm.pipeline in ("direct", "direct_mma"):
             if self.direction == "fwd":
                 return self._direct_pixels(self.out_size, key), self.k, taps * cg, 1
             if self.direction == "bwd_data":
