@@ -245,3 +245,61 @@ def test_compile_time_filter_renders_bwd_weight():
     assert "constexpr int PXW = 2;" in codegen.render(six)
     one_d = direct_conv("bwd_weight", rank=1, tile=(256, 64, 1), mma=(4, 8, 1), extras=DW + (("cutlass.fx", 8),))
     assert "constexpr int FX = 8, FY = 1;" in codegen.render(one_d)
+
+
+def mma_conv(direction="fwd", rank=2, cpg=4, kpg=None, tile=(28, 32, 8), warps=(7, 1, 1), f=3, dtype="fp16",
+             extras=()):
+    filt = (("cutlass.fx", f),) + ((("cutlass.fy", f),) if rank > 1 else ())
+    return KernelKey(Signature("conv", dtype, dtype, dtype, "fp32", "nhwgc", Epilogue(), direction, rank),
+                     Algorithm(tile, "direct_mma", warps, (16, 8, 16), "data_parallel", 1, (1, 1, 1), 0,
+                               (("cutlass.cpg", cpg), ("cutlass.kpg", kpg or cpg)) + filt + extras), "cutlass", "sm90a")
+
+
+@pytest.mark.parametrize("key", [
+    mma_conv(), mma_conv("bwd_data", cpg=1, f=7), mma_conv(cpg=16, tile=(16, 32, 2), warps=(1, 2, 1)),
+    mma_conv(rank=1, cpg=1, tile=(128, 64, 1), warps=(4, 2, 1), f=4), mma_conv(rank=3, dtype="bf16"),
+    mma_conv(cpg=64, tile=(32, 32, 8), warps=(4, 2, 1)), mma_conv(extras=(("cutlass.occupancy", 3),)),
+    direct_conv(extras=DW + (("cutlass.occupancy", 2),)),
+], ids=lambda k: k.name[-60:])
+def test_direct_mma_and_direct_occupancy_keys_are_legal_and_round_trip(key):
+    assert rules.check(key) == []
+    assert parse_kernel_name(key.name) == key
+
+
+@pytest.mark.parametrize("key, rule", [
+    (mma_conv("bwd_weight"), "cutlass.conv_direct_mma_shape"),                     # fwd / bwd_data only
+    (mma_conv(dtype="fp32"), "cutlass.conv_direct_mma_shape"),                      # tensor cores: 16-bit inputs
+    (mma_conv(warps=(4, 1, 1)), "cutlass.conv_direct_mma_shape"),                   # 224 pixels over 4 warps: 56
+    (mma_conv(tile=(28, 36, 8)), "cutlass.conv_direct_mma_shape"),                  # lanes not a multiple of 8
+    (mma_conv(tile=(32, 64, 8), warps=(2, 1, 1)), "cutlass.conv_direct_mma_shape"),  # 64 mma tiles a warp
+    (mma_conv(cpg=4, kpg=8), "cutlass.conv_direct_mma_groups"),                     # C/G != K/G
+    (mma_conv(cpg=3), "cutlass.conv_direct_mma_groups"),                            # 3 neither divides 8 nor is a multiple
+    (mma_conv(cpg=64, tile=(28, 48, 8), warps=(7, 2, 1)), "cutlass.conv_direct_mma_groups"),  # 48 vs 64 per group
+    (mma_conv(f=0), "cutlass.conv_direct_filter"),                                  # always a compile-time filter
+    (mma_conv(extras=(("cutlass.occupancy", 10),)), "cutlass.conv_occupancy"),
+    (direct_conv("bwd_weight", mma=(3, 8, 1), extras=DW + (("cutlass.occupancy", 2),)), "cutlass.conv_occupancy"),
+    (direct_conv(extras=DW + (("cutlass.occupancy", 9),)), "cutlass.conv_occupancy"),
+])
+def test_direct_mma_illegal_combinations_name_their_rule(key, rule):
+    assert rule in broken(key)
+
+
+def test_direct_mma_renders_and_ranks():
+    """direct_mma renders the tensor-core path only (no CUDA-core window) with its launch bounds; the ranker puts
+    it before the CUDA-core direct kernel on C/G = 4 and after it on depthwise (rules' cost factors)."""
+    from tiledispatch.ops.conv import ConvProblem
+    from tiledispatch.selection import estimated_cost
+
+    text = codegen.render(mma_conv())
+    assert "mma16816(acc[mi][ni], a, b[ni])" in text and "accumulate_window" not in text
+    assert "__launch_bounds__(THREADS, MIN_BLOCKS)" in text and "{{" not in text and "{%" not in text
+    assert "__launch_bounds__(THREADS, 3)" in codegen.render(mma_conv(extras=(("cutlass.occupancy", 3),)))
+    assert "mma16816" not in codegen.render(direct_conv(extras=DW))
+    g4 = ConvProblem("fwd", 32, 32, 128, 128, (56, 56), (3, 3), 1, 1, 1, 1, "fp16", "fp16", "fp16")
+    dw = ConvProblem("fwd", 32, 128, 128, 128, (56, 56), (3, 3), 1, 1, 1, 1, "fp16", "fp16", "fp16")
+    cuda_core = dict(tile=(28, 64, 8), mma=(7, 4, 1))
+    direct4 = direct_conv(extras=(("cutlass.cpg", 4), ("cutlass.kpg", 4), ("cutlass.fx", 3), ("cutlass.fy", 3)),
+                          **cuda_core)
+    direct1 = direct_conv(extras=DW + (("cutlass.fx", 3), ("cutlass.fy", 3)), **cuda_core)
+    assert estimated_cost(g4, mma_conv()) < estimated_cost(g4, direct4)
+    assert estimated_cost(dw, mma_conv(cpg=1)) > estimated_cost(dw, direct1)
