@@ -260,6 +260,7 @@ def mma_conv(direction="fwd", rank=2, cpg=4, kpg=None, tile=(28, 32, 8), warps=(
     mma_conv(rank=1, cpg=1, tile=(128, 64, 1), warps=(4, 2, 1), f=4), mma_conv(rank=3, dtype="bf16"),
     mma_conv(cpg=64, tile=(32, 32, 8), warps=(4, 2, 1)), mma_conv(extras=(("cutlass.occupancy", 3),)),
     direct_conv(extras=DW + (("cutlass.occupancy", 2),)),
+    direct_conv("bwd_weight", mma=(3, 8, 1), extras=DW + (("cutlass.occupancy", 3),)),
 ], ids=lambda k: k.name[-60:])
 def test_direct_mma_and_direct_occupancy_keys_are_legal_and_round_trip(key):
     assert rules.check(key) == []
@@ -277,7 +278,7 @@ def test_direct_mma_and_direct_occupancy_keys_are_legal_and_round_trip(key):
     (mma_conv(cpg=64, tile=(28, 48, 8), warps=(7, 2, 1)), "cutlass.conv_direct_mma_groups"),  # 48 vs 64 per group
     (mma_conv(f=0), "cutlass.conv_direct_filter"),                                  # always a compile-time filter
     (mma_conv(extras=(("cutlass.occupancy", 10),)), "cutlass.conv_occupancy"),
-    (direct_conv("bwd_weight", mma=(3, 8, 1), extras=DW + (("cutlass.occupancy", 2),)), "cutlass.conv_occupancy"),
+    (direct_conv(extras=DW + (("cutlass.occupancy", 16),)), "cutlass.conv_occupancy"),  # 16 x 256 threads
     (direct_conv(extras=DW + (("cutlass.occupancy", 9),)), "cutlass.conv_occupancy"),
 ])
 def test_direct_mma_illegal_combinations_name_their_rule(key, rule):
