@@ -40,8 +40,8 @@ def expected_refusal(key, problem):
         return "unit stride only"
     if alg.pipeline in ("direct", "direct_mma") and problem.spatial_dims == 2 and problem.direction in ("fwd", "bwd_weight"):
         # a 2D direct tile keeps one input halo plane (fp16) in shared memory with the block's weights (fwd,
-        # fp32; direct_mma: fp16 mma fragments of 8 x 8 per tap pair and 8 lanes, halo pixels padded to an odd
-        # number of 16-byte pieces) or its dY tile (fp16) and sums (fp32) (bwd_weight); a large filter with
+        # fp32; direct_mma: fp16 mma B fragments, 16 x 8 per pair of 8-channel taps and 8 lanes, halo pixels padded
+        # to an odd number of 16-byte pieces) or its dY tile (fp16) and sums (fp32) (bwd_weight); a large filter with
         # stride and dilation 2 can outgrow it (the kernel says so; selection falls back)
         (tw, lanes, th), (fy, fx) = alg.tile, problem.filter_size
         (sy, sx), (dy, dx) = problem.stride, problem.dilation
