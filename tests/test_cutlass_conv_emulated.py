@@ -111,17 +111,22 @@ def libs(tmp_path_factory):
     return {}, tmp_path_factory.mktemp("emulated")
 
 
+def assert_all_match(lib, key, cases, sizes=None):
+    """Run the key's kernel on each (kind, geometry) case (seeded by its index) against the reference."""
+    sig = key.signature
+    failures = []
+    for i, (kind, geo) in enumerate(cases):
+        res = ce.check(lib, key, sig.direction, sig.spatial_dims, kind, geo, seed=i, sizes=sizes)
+        if not res["passed"]:
+            failures.append(f"{kind} {geo}: {res}")
+    assert not failures, "\n".join(failures)
+
+
 @pytest.mark.parametrize("key,kinds,geos", CASES, ids=lambda v: v.name[:44] if hasattr(v, "name") else None)
 def test_matches_reference(libs, key, kinds, geos):
     cache, tmp = libs
     lib = cache.setdefault(key.name, ce.build(key, tmp))
-    sig = key.signature
-    failures = []
-    for i, (kind, geo) in enumerate((k, g) for k in kinds for g in geos):
-        res = ce.check(lib, key, sig.direction, sig.spatial_dims, kind, geo, seed=i)
-        if not res["passed"]:
-            failures.append(f"{kind} {geo}: {res}")
-    assert not failures, "\n".join(failures)
+    assert_all_match(lib, key, [(k, g) for k in kinds for g in geos])
 
 
 @pytest.mark.parametrize("direction", DIRECTIONS)
@@ -173,12 +178,7 @@ def test_shared_memory_fallbacks(libs, direction, smem_limit):
     key = direct(direction, 3)
     name = f"{key.name}_{smem_limit}"
     lib = cache.setdefault(name, ce.build(key, tmp, smem_limit=smem_limit))
-    failures = []
-    for i, (kind, geo) in enumerate((k, g) for k in ("g4", "depthwise") for g in ("s1d1", "s2d2", "s1d2")):
-        res = ce.check(lib, key, direction, 3, kind, geo, seed=i)
-        if not res["passed"]:
-            failures.append(f"{kind} {geo}: {res}")
-    assert not failures, "\n".join(failures)
+    assert_all_match(lib, key, [(k, g) for k in ("g4", "depthwise") for g in ("s1d1", "s2d2", "s1d2")])
 
 
 @pytest.mark.parametrize("key,kind,f,geos", FILTER_CASES, ids=lambda v: v.name[:40] + v.name[-24:]
@@ -190,12 +190,7 @@ def test_compile_time_filter_matches_reference(libs, key, kind, f, geos):
     fy, fx = f if isinstance(f, tuple) else (f, f)
     sizes = _filter_sizes(sig.spatial_dims, fx)
     sizes = (sizes[0], sizes[1], sizes[2][:-2] + (fy, fx)) if sig.spatial_dims > 1 else sizes
-    failures = []
-    for i, geo in enumerate(geos):
-        res = ce.check(lib, key, sig.direction, sig.spatial_dims, kind, geo, seed=i, sizes=sizes)
-        if not res["passed"]:
-            failures.append(f"{kind} {geo}: {res}")
-    assert not failures, "\n".join(failures)
+    assert_all_match(lib, key, [(kind, g) for g in geos], sizes)
 
 
 @pytest.mark.parametrize("direction", ("fwd", "bwd_data", "bwd_weight"))
@@ -204,12 +199,7 @@ def test_compile_time_filter_one_plane(libs, direction):
     cache, tmp = libs
     key = direct(direction, 3, cpg=1, kpg=1, fx=3, fy=3, mm=3 if direction == "bwd_weight" else None)
     lib = cache.setdefault(f"{key.name}_9000", ce.build(key, tmp, smem_limit=9000))
-    failures = []
-    for i, geo in enumerate(("s1d1", "s2d2", "s1d2")):
-        res = ce.check(lib, key, direction, 3, "depthwise", geo, seed=i, sizes=_filter_sizes(3, 3))
-        if not res["passed"]:
-            failures.append(f"{geo}: {res}")
-    assert not failures, "\n".join(failures)
+    assert_all_match(lib, key, [("depthwise", g) for g in ("s1d1", "s2d2", "s1d2")], _filter_sizes(3, 3))
 
 
 def test_compile_time_filter_refusals(libs):
@@ -242,13 +232,8 @@ def test_direct_mma_matches_reference(libs, key, kinds, f, geos):
     cache, tmp = libs
     lib = cache.setdefault(key.name, ce.build(key, tmp))
     sig = key.signature
-    geos = tuple(g for g in geos if sig.direction == "fwd" or g in UNIT)
-    failures = []
-    for i, (kind, geo) in enumerate((k, g) for k in kinds for g in geos):
-        res = ce.check(lib, key, sig.direction, sig.spatial_dims, kind, geo, seed=i, sizes=_filter_sizes(sig.spatial_dims, f))
-        if not res["passed"]:
-            failures.append(f"{kind} {geo}: {res}")
-    assert not failures, "\n".join(failures)
+    geos = tuple(g for g in geos if sig.direction == "fwd" or g in UNIT)  # bwd_data: unit stride only
+    assert_all_match(lib, key, [(k, g) for k in kinds for g in geos], _filter_sizes(sig.spatial_dims, f))
 
 
 @pytest.mark.parametrize("direction", ("fwd", "bwd_data"))
@@ -260,6 +245,8 @@ def test_direct_mma_alpha_beta_one_plane(libs, direction):
 
     cache, tmp = libs
     key = mma(direction, 3, 4, 3, (8, 16, 2), (1, 2, 1))
+    # s1d2 on a 3 x 3 x 3 filter: the whole halo (5 x 6 x 12 pixels x 24-element pitch, 17280 bytes) and the weight
+    # fragments (3 planes x 2560) exceed 12000 bytes; one plane (3456) and the fragments fit in one buffer
     lib = cache.setdefault(f"{key.name}_12000", ce.build(key, tmp, smem_limit=12000))
     rng = np.random.default_rng(5)
     p, data, expect = ce.case(rng, direction, 3, "g4", "s1d2", sizes=_filter_sizes(3, 3))
