@@ -50,8 +50,11 @@ def expected_refusal(key, problem):
             cpg = alg.extra("cutlass.cpg", 0)
             cbs = -(-(lanes if lanes % cpg == 0 else cpg) // 8) * 8
             pitch = cbs + 8 if cbs % 16 == 0 else cbs
-            ksteps = -(-(fy * fx * max(1, cpg // 8)) // 2)
-            need = pixels * pitch * 2 + ksteps * lanes // 8 * 256
+            if problem.direction == "bwd_weight":  # the halo, the dY tile (the same padded pitch) and the sums
+                need = (pixels + th * tw) * pitch * 2 + fy * fx * cpg * lanes * 4
+            else:
+                ksteps = -(-(fy * fx * max(1, cpg // 8)) // 2)
+                need = pixels * pitch * 2 + ksteps * lanes // 8 * 256
         elif problem.direction == "fwd":
             need = pixels * lanes * 2 + fy * fx * lanes * 4
         else:

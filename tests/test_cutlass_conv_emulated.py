@@ -104,6 +104,18 @@ for d in ("fwd", "bwd_data"):
         (mma(d, 1, 1, 4, (32, 16, 1), (2, 1, 1)), ("depthwise",), 4, geos if d == "bwd_data" else tuple(ce.GEOMETRIES)),
         (mma(d, 3, 4, 3, (8, 16, 2), (1, 2, 1)), ("g4",), 3, UNIT + ("s2d2",)),
     ]
+# bwd_weight: warps per 8-lane chunk splitting the 16-pixel blocks (1, 2), blocks spanning tile rows (widths 8,
+# 12, 28), an odd tap count (the last tap paired with itself), 25 tap pairs (7 x 7), partial lane blocks (g4x3:
+# 12 lanes of 16), every geometry (the A rows are gathered per pixel); 3D one depth tap per sweep
+MMA_CASES += [
+    (mma("bwd_weight", 2, 1, 3, (8, 16, 4), (2, 1, 1)), ("depthwise",), 3, ALL_2D),
+    (mma("bwd_weight", 2, 4, 3, (12, 16, 4), (4, 1, 1), "bf16"), ("g4", "g4x3"), 3, ALL_2D),
+    (mma("bwd_weight", 2, 2, 3, (28, 8, 4), (2, 1, 1)), ("g2",), 3, ("s1d1", "s2d1", "s1d2")),
+    (mma("bwd_weight", 2, 8, 3, (8, 16, 4), (2, 1, 1)), ("g8",), 3, ("s1d1", "s2d2")),
+    (mma("bwd_weight", 2, 1, 7, (16, 16, 2), (2, 1, 1)), ("depthwise",), 7, ("s1d1", "s2d1")),
+    (mma("bwd_weight", 1, 1, 4, (32, 16, 1), (2, 1, 1)), ("depthwise",), 4, tuple(ce.GEOMETRIES)),
+    (mma("bwd_weight", 3, 4, 3, (8, 16, 2), (2, 1, 1)), ("g4",), 3, ("s1d1", "s2d2")),
+]
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +244,7 @@ def test_direct_mma_matches_reference(libs, key, kinds, f, geos):
     cache, tmp = libs
     lib = cache.setdefault(key.name, ce.build(key, tmp))
     sig = key.signature
-    geos = tuple(g for g in geos if sig.direction == "fwd" or g in UNIT)  # bwd_data: unit stride only
+    geos = tuple(g for g in geos if sig.direction != "bwd_data" or g in UNIT)  # bwd_data: unit stride only
     assert_all_match(lib, key, [(k, g) for k in kinds for g in geos], _filter_sizes(sig.spatial_dims, f))
 
 

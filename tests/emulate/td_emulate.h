@@ -71,15 +71,15 @@ inline void cp_async16(void* smem, const void* gmem, bool valid) {
 inline void cp_async_commit() {}
 template <int N> inline void cp_async_wait() {}
 
-// ldmatrix .x4 (.trans): lanes 8q..8q+7 give the rows of matrix q; lane t receives row t/4, columns
+// ldmatrix .x4 / .x2 (.trans): lanes 8q..8q+7 give the rows of matrix q; lane t receives row t/4, columns
 // 2(t%4), 2(t%4)+1 of each matrix (trans: rows 2(t%4), 2(t%4)+1 of column t/4).
 template <typename E>
-inline void emu_ldsm(uint32_t* r, const E* p, bool trans) {
+inline void emu_ldsm(uint32_t* r, const E* p, bool trans, int matrices = 4) {
   const int lane = td_emu::tidx.x % 32;
   td_emu::Warp& w = *td_emu::warp;
   w.addr[lane] = p;
   w.bar.arrive_and_wait();
-  for (int q = 0; q < 4; ++q) {
+  for (int q = 0; q < matrices; ++q) {
     uint16_t v[2];
     for (int h = 0; h < 2; ++h) {
       const int row = trans ? 2 * (lane % 4) + h : lane / 4, col = trans ? lane / 4 : 2 * (lane % 4) + h;

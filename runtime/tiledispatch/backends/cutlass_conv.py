@@ -29,6 +29,9 @@ def templates(key: KernelKey) -> list[str]:
         main = "conv_direct_bwd_weight.cu.j2" if sig.direction == "bwd_weight" else "conv_direct.cu.j2"
         return [main, "_conv_common.j2", "_conv_direct.j2"]
     if alg.pipeline == "direct_mma":
+        if sig.direction == "bwd_weight":
+            return ["conv_direct_bwd_weight.cu.j2", "_conv_common.j2", "_conv_direct.j2", "_conv_direct_wgrad_mma.j2",
+                    "_mma_sync.j2"]
         return ["conv_direct.cu.j2", "_conv_common.j2", "_conv_direct.j2", "_conv_direct_mma.j2", "_mma_sync.j2"]
     if alg.pipeline == "tma_ws_conv":
         wgrad = ["_conv_sm90_wgrad.j2", "_conv_sm90_wgrad_abi.j2"] if sig.direction == "bwd_weight" else []
