@@ -261,6 +261,9 @@ def mma_conv(direction="fwd", rank=2, cpg=4, kpg=None, tile=(28, 32, 8), warps=(
     mma_conv(cpg=64, tile=(32, 32, 8), warps=(4, 2, 1)), mma_conv(extras=(("cutlass.occupancy", 3),)),
     direct_conv(extras=DW + (("cutlass.occupancy", 2),)),
     direct_conv("bwd_weight", mma=(3, 8, 1), extras=DW + (("cutlass.occupancy", 3),)),
+    mma_conv("bwd_weight", warps=(8, 1, 1)), mma_conv("bwd_weight", cpg=1, f=7, tile=(28, 64, 8), warps=(16, 1, 1)),
+    mma_conv("bwd_weight", rank=1, cpg=1, tile=(256, 64, 1), warps=(8, 1, 1), f=4),
+    mma_conv("bwd_weight", rank=3, tile=(16, 32, 4), warps=(8, 1, 1), dtype="bf16"),
 ], ids=lambda k: k.name[-60:])
 def test_direct_mma_and_direct_occupancy_keys_are_legal_and_round_trip(key):
     assert rules.check(key) == []
@@ -268,11 +271,14 @@ def test_direct_mma_and_direct_occupancy_keys_are_legal_and_round_trip(key):
 
 
 @pytest.mark.parametrize("key, rule", [
-    (mma_conv("bwd_weight"), "cutlass.conv_direct_mma_shape"),                     # fwd / bwd_data only
     (mma_conv(dtype="fp32"), "cutlass.conv_direct_mma_shape"),                      # tensor cores: 16-bit inputs
-    (mma_conv(warps=(4, 1, 1)), "cutlass.conv_direct_mma_shape"),                   # 224 pixels over 4 warps: 56
+    (mma_conv(warps=(4, 1, 1)), "cutlass.conv_direct_mma_warps"),                   # 224 pixels over 4 warps: 56
     (mma_conv(tile=(28, 36, 8)), "cutlass.conv_direct_mma_shape"),                  # lanes not a multiple of 8
-    (mma_conv(tile=(32, 64, 8), warps=(2, 1, 1)), "cutlass.conv_direct_mma_shape"),  # 64 mma tiles a warp
+    (mma_conv(tile=(32, 64, 8), warps=(2, 1, 1)), "cutlass.conv_direct_mma_warps"),  # 64 mma tiles a warp
+    (mma_conv("bwd_weight"), "cutlass.conv_direct_mma_wgrad"),                      # 7 warps for 4 lane chunks
+    (mma_conv("bwd_weight", tile=(28, 32, 1), warps=(4, 1, 1)), "cutlass.conv_direct_mma_wgrad"),  # 28 pixels
+    (mma_conv("bwd_weight", cpg=16, tile=(16, 32, 2), warps=(4, 1, 1)), "cutlass.conv_direct_mma_wgrad"),  # C/G 16
+    (mma_conv("bwd_weight", f=9, warps=(8, 1, 1)), "cutlass.conv_direct_mma_wgrad"),  # 81 taps: 41 pairs
     (mma_conv(cpg=4, kpg=8), "cutlass.conv_direct_mma_groups"),                     # C/G != K/G
     (mma_conv(cpg=3), "cutlass.conv_direct_mma_groups"),                            # 3 neither divides 8 nor is a multiple
     (mma_conv(cpg=64, tile=(28, 48, 8), warps=(7, 2, 1)), "cutlass.conv_direct_mma_groups"),  # 48 vs 64 per group
@@ -304,3 +310,23 @@ def test_direct_mma_renders_and_ranks():
     direct1 = direct_conv(extras=DW + (("cutlass.fx", 3), ("cutlass.fy", 3)), **cuda_core)
     assert estimated_cost(g4, mma_conv()) < estimated_cost(g4, direct4)
     assert estimated_cost(dw, mma_conv(cpg=1)) > estimated_cost(dw, direct1)
+
+
+def test_direct_mma_bwd_weight_renders_and_ranks_first():
+    """direct_mma bwd_weight renders the tensor-core pixel sums (padded dY pitch, ldmatrix .x2.trans) without the
+    CUDA-core register window, and the ranker puts it before the CUDA-core kernel on depthwise and C/G = 4."""
+    from tiledispatch.ops.conv import ConvProblem
+    from tiledispatch.selection import estimated_cost
+
+    key = mma_conv("bwd_weight", cpg=1, warps=(8, 1, 1))
+    text = codegen.render(key)
+    assert "accumulate_mma(p, xs, dys, chunk" in text and "ldsm_x2_trans(bf" in text
+    assert "accumulate_window" not in text and "constexpr int DPITCH = BN % (2 * VEC) ? BN : BN + VEC;" in text
+    assert "{{" not in text and "{%" not in text
+    assert "constexpr int DPITCH = BN;" in codegen.render(direct_conv("bwd_weight", mma=(3, 8, 1), extras=DW))
+    filt = (("cutlass.fx", 3), ("cutlass.fy", 3))
+    for cpg in (1, 4):
+        prob = ConvProblem("bwd_weight", 32, 128 // cpg, 128, 128, (56, 56), (3, 3), 1, 1, 1, 1, "fp16", "fp16", "fp16")
+        cuda_core = direct_conv("bwd_weight", tile=(28, 64, 8), mma=(3, 8 // cpg, 1),
+                                extras=(("cutlass.cpg", cpg), ("cutlass.kpg", cpg)) + filt)
+        assert estimated_cost(prob, mma_conv("bwd_weight", cpg=cpg, warps=(8, 1, 1))) < estimated_cost(prob, cuda_core)
