@@ -25,7 +25,7 @@ def kind_of(key) -> tuple[str, ...]:
     if alg.pipeline == "implicit_gemm":
         return ("dense", "g16", "g64")
     cpg = alg.extra("cutlass.cpg", 0)
-    specialized = {1: ("depthwise",), 4: ("g4",), 16: ("g16",)}
+    specialized = {1: ("depthwise",), 2: ("g2",), 4: ("g4",), 16: ("g16",)}
     if cpg in specialized:
         return specialized[cpg]
     return ("g4", "depthwise", "multiplier", "odd")

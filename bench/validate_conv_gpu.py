@@ -32,7 +32,7 @@ from tiledispatch.plan import bind
 
 # (G, C/G, K/G): a partial lane block, partial GEMM tiles
 KINDS = {"dense": (1, 32, 48), "dense_wide": (1, 96, 136), "g16": (4, 16, 16), "g64": (2, 64, 64), "g4": (32, 4, 4), "depthwise": (96, 1, 1),
-         "multiplier": (24, 1, 2), "odd": (6, 3, 5)}
+         "multiplier": (24, 1, 2), "odd": (6, 3, 5), "g2": (16, 2, 2)}
 GEOMETRIES = {  # stride, dilation, pad_lo, pad_hi per dim (innermost last; cut to the rank)
     "s1d1": ((1, 1, 1), (1, 1, 1), (1, 0, 2), (0, 2, 1)),
     "s2d1": ((2, 2, 2), (1, 1, 1), (0, 1, 1), (2, 0, 0)),
