@@ -123,6 +123,15 @@ def libs(tmp_path_factory):
     return {}, tmp_path_factory.mktemp("emulated")
 
 
+def built(libs, key, smem_limit=None):
+    """The key's emulated library, compiled once per module (and per shared-memory limit)."""
+    cache, tmp = libs
+    name = f"{key.name}_{smem_limit}" if smem_limit else key.name
+    if name not in cache:
+        cache[name] = ce.build(key, tmp, smem_limit=smem_limit)
+    return cache[name]
+
+
 def assert_all_match(lib, key, cases, sizes=None):
     """Run the key's kernel on each (kind, geometry) case (seeded by its index) against the reference."""
     sig = key.signature
@@ -136,8 +145,7 @@ def assert_all_match(lib, key, cases, sizes=None):
 
 @pytest.mark.parametrize("key,kinds,geos", CASES, ids=lambda v: v.name[:44] if hasattr(v, "name") else None)
 def test_matches_reference(libs, key, kinds, geos):
-    cache, tmp = libs
-    lib = cache.setdefault(key.name, ce.build(key, tmp))
+    lib = built(libs, key)
     assert_all_match(lib, key, [(k, g) for k in kinds for g in geos])
 
 
@@ -147,9 +155,8 @@ def test_alpha_beta(libs, direction):
 
     from tiledispatch import validation
 
-    cache, tmp = libs
     key = direct(direction, 2)
-    lib = cache.setdefault(key.name, ce.build(key, tmp))
+    lib = built(libs, key)
     rng = np.random.default_rng(3)
     p, data, expect = ce.case(rng, direction, 2, "g4", "s2d1")
     written = conv.WRITES[direction]
@@ -162,19 +169,18 @@ def test_alpha_beta(libs, direction):
 
 def test_refusals(libs):
     """Specialized and implicit-GEMM kernels refuse what they cannot run, with a reason; nothing runs."""
-    cache, tmp = libs
     spec = direct("fwd", 2, cpg=4, kpg=4)
-    lib = cache.setdefault(spec.name, ce.build(spec, tmp))
+    lib = built(libs, spec)
     p = conv.ConvProblem("fwd", 1, 2, 6, 8, (9, 9), (3, 3), 1, 1, 1, 1, "fp16", "fp16", "fp16")
     status, reason = lib.can_run(conv.make_args(p, spec))
     assert status == abi.UNSUPPORTED and "specialized for C/G = 4" in reason
     ig = igemm("fwd", 2)
-    lib = cache.setdefault(ig.name, ce.build(ig, tmp))
+    lib = built(libs, ig)
     status, reason = lib.can_run(conv.make_args(p, ig))
     assert status == abi.UNSUPPORTED and "multiples of 8" in reason
     assert lib.workspace_bytes(conv.make_args(p, ig)) == 0
     wg = igemm("bwd_weight", 2)
-    lib = cache.setdefault(wg.name, ce.build(wg, tmp))
+    lib = built(libs, wg)
     pw = conv.ConvProblem("bwd_weight", 1, 2, 16, 16, (9, 9), (3, 3), 1, 1, 1, 1, "fp16", "fp16", "fp16")
     args = conv.make_args(pw, wg)
     assert lib.workspace_bytes(args) >= 2 * 8 * 9 * 8 * 4
@@ -186,18 +192,15 @@ def test_refusals(libs):
 @pytest.mark.parametrize("smem_limit", (9000, 20000), ids=("one_plane", "one_buffer"))
 def test_shared_memory_fallbacks(libs, direction, smem_limit):
     """3D halos that do not fit twice (one buffer) or at all (one depth plane at a time) still compute right."""
-    cache, tmp = libs
     key = direct(direction, 3)
-    name = f"{key.name}_{smem_limit}"
-    lib = cache.setdefault(name, ce.build(key, tmp, smem_limit=smem_limit))
+    lib = built(libs, key, smem_limit=smem_limit)
     assert_all_match(lib, key, [(k, g) for k in ("g4", "depthwise") for g in ("s1d1", "s2d2", "s1d2")])
 
 
 @pytest.mark.parametrize("key,kind,f,geos", FILTER_CASES, ids=lambda v: v.name[:40] + v.name[-24:]
                          if hasattr(v, "name") else None)
 def test_compile_time_filter_matches_reference(libs, key, kind, f, geos):
-    cache, tmp = libs
-    lib = cache.setdefault(key.name, ce.build(key, tmp))
+    lib = built(libs, key)
     sig = key.signature
     fy, fx = f if isinstance(f, tuple) else (f, f)
     sizes = _filter_sizes(sig.spatial_dims, fx)
@@ -208,16 +211,13 @@ def test_compile_time_filter_matches_reference(libs, key, kind, f, geos):
 @pytest.mark.parametrize("direction", ("fwd", "bwd_data", "bwd_weight"))
 def test_compile_time_filter_one_plane(libs, direction):
     """3D halos taken one depth plane at a time (small shared memory) through the register window."""
-    cache, tmp = libs
     key = direct(direction, 3, cpg=1, kpg=1, fx=3, fy=3, mm=3 if direction == "bwd_weight" else None)
-    lib = cache.setdefault(f"{key.name}_9000", ce.build(key, tmp, smem_limit=9000))
+    lib = built(libs, key, smem_limit=9000)
     assert_all_match(lib, key, [("depthwise", g) for g in ("s1d1", "s2d2", "s1d2")], _filter_sizes(3, 3))
 
 
 def test_compile_time_filter_refusals(libs):
     """A kernel compiled for one filter size refuses another, naming both (selection then takes another kernel)."""
-    cache, tmp = libs
-
     def prob(direction, size, filt, pad):
         return conv.ConvProblem(direction, 1, 8, 8, 8, size, filt, 1, 1, pad, pad, "fp16", "fp16", "fp16")
 
@@ -231,7 +231,7 @@ def test_compile_time_filter_refusals(libs):
          ("7 x 7 filter", "filter is 3 x 3"), prob("bwd_weight", (12, 12), (7, 7), 3)),
     ]
     for key, other, phrases, same in cases:
-        lib = cache.setdefault(key.name, ce.build(key, tmp))
+        lib = built(libs, key)
         status, reason = lib.can_run(conv.make_args(other, key))
         assert status == abi.UNSUPPORTED and all(ph in reason for ph in phrases), (key.name, reason)
         if same is not None:
@@ -241,8 +241,7 @@ def test_compile_time_filter_refusals(libs):
 @pytest.mark.parametrize("key,kinds,f,geos", MMA_CASES, ids=lambda v: v.name[:40] + v.name[-30:]
                          if hasattr(v, "name") else None)
 def test_direct_mma_matches_reference(libs, key, kinds, f, geos):
-    cache, tmp = libs
-    lib = cache.setdefault(key.name, ce.build(key, tmp))
+    lib = built(libs, key)
     sig = key.signature
     geos = tuple(g for g in geos if sig.direction != "bwd_data" or g in UNIT)  # bwd_data: unit stride only
     assert_all_match(lib, key, [(k, g) for k in kinds for g in geos], _filter_sizes(sig.spatial_dims, f))
@@ -255,11 +254,10 @@ def test_direct_mma_alpha_beta_one_plane(libs, direction):
 
     from tiledispatch import validation
 
-    cache, tmp = libs
     key = mma(direction, 3, 4, 3, (8, 16, 2), (1, 2, 1))
     # s1d2 on a 3 x 3 x 3 filter: the whole halo (5 x 6 x 12 pixels x 24-element pitch, 17280 bytes) and the weight
     # fragments (3 planes x 2560) exceed 12000 bytes; one plane (3456) and the fragments fit in one buffer
-    lib = cache.setdefault(f"{key.name}_12000", ce.build(key, tmp, smem_limit=12000))
+    lib = built(libs, key, smem_limit=12000)
     rng = np.random.default_rng(5)
     p, data, expect = ce.case(rng, direction, 3, "g4", "s1d2", sizes=_filter_sizes(3, 3))
     written = conv.WRITES[direction]
@@ -273,9 +271,8 @@ def test_direct_mma_alpha_beta_one_plane(libs, direction):
 
 def test_direct_mma_refusals(libs):
     """direct_mma refuses strided bwd_data, other group widths and other filters, saying why."""
-    cache, tmp = libs
     key = mma("bwd_data", 2, 4, 3, (8, 16, 4), (2, 1, 1))
-    lib = cache.setdefault(key.name, ce.build(key, tmp))
+    lib = built(libs, key)
 
     def prob(g, cg, stride, filt=(3, 3)):
         return conv.ConvProblem("bwd_data", 1, g, g * cg, g * cg, (9, 9), filt, stride, 1, 1, 1, "fp16", "fp16", "fp16")
