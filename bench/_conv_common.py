@@ -38,6 +38,9 @@ def expected_refusal(key, problem):
         return "unit stride"  # CUTLASS's SM90 dgrad has no strided variant; implicit_gemm covers it
     if alg.pipeline == "direct_mma" and problem.direction == "bwd_data" and set(problem.stride) != {1}:
         return "unit stride only"
+    if alg.extra("cutlass.rows", 0) and (problem.stride[-1] != 1
+                                         or (problem.filter_size[-1] - 1) * problem.dilation[-1] > 8):
+        return "row form"  # the depthwise row form: unit stride along W, taps within 16 columns
     if alg.pipeline in ("direct", "direct_mma") and problem.spatial_dims == 2 and problem.direction in ("fwd", "bwd_weight"):
         # a 2D direct tile keeps one input halo plane (fp16) in shared memory with the block's weights (fwd,
         # fp32; direct_mma: fp16 mma B fragments, 16 x 8 per pair of 8-channel taps and 8 lanes, halo pixels padded
@@ -52,6 +55,8 @@ def expected_refusal(key, problem):
             pitch = cbs + 8 if cbs % 16 == 0 else cbs
             if problem.direction == "bwd_weight":  # the halo, the dY tile (the same padded pitch) and the sums
                 need = (pixels + th * tw) * pitch * 2 + fy * fx * cpg * lanes * 4
+                if alg.extra("cutlass.rows", 0):  # their transposed copies
+                    need += (pixels + 8 * th + th * tw + 8) * lanes * 2
             else:
                 ksteps = -(-(fy * fx * max(1, cpg // 8)) // 2)
                 need = pixels * pitch * 2 + ksteps * lanes // 8 * 256

@@ -35,8 +35,9 @@ def cuda_include() -> str | None:
     return None
 
 
-def conv_key(direction, rank, pipeline, tile, mma, warps, dtype="fp16", cpg=0, kpg=0, stages=0, fx=0, fy=0) -> KernelKey:
-    extras = (("cutlass.cpg", cpg), ("cutlass.kpg", kpg)) if cpg else ()
+def conv_key(direction, rank, pipeline, tile, mma, warps, dtype="fp16", cpg=0, kpg=0, stages=0, fx=0, fy=0,
+             extras=()) -> KernelKey:
+    extras += (("cutlass.cpg", cpg), ("cutlass.kpg", kpg)) if cpg else ()
     extras += (("cutlass.fx", fx),) if fx else ()
     extras += (("cutlass.fy", fy),) if fy else ()
     return KernelKey(Signature("conv", dtype, dtype, dtype, "fp32", "nhwgc", Epilogue(), direction, rank),

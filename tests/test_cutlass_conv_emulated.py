@@ -81,9 +81,10 @@ FILTER_CASES += [
 
 
 
-def mma(direction, rank, cpg, f, tile, warps, dtype="fp16"):
+def mma(direction, rank, cpg, f, tile, warps, dtype="fp16", extras=()):
     fx, fy = (f, 0) if rank == 1 else (f, f)
-    return ce.conv_key(direction, rank, "direct_mma", tile, (16, 8, 16), warps, dtype, cpg, cpg, fx=fx, fy=fy)
+    return ce.conv_key(direction, rank, "direct_mma", tile, (16, 8, 16), warps, dtype, cpg, cpg, fx=fx, fy=fy,
+                       extras=extras)
 
 
 # direct_mma (tensor cores over block-diagonal weights): each group width's k items (C/G <= 8: a chunk's own
@@ -106,9 +107,23 @@ for d in ("fwd", "bwd_data"):
     ]
 # bwd_weight: warps per 8-lane chunk splitting the 16-pixel blocks (1, 2), blocks spanning tile rows (widths 8,
 # 12, 28), an odd tap count (the last tap paired with itself), 25 tap pairs (7 x 7), partial lane blocks (g4x3:
-# 12 lanes of 16), every geometry (the A rows are gathered per pixel); 3D one depth tap per sweep
+# 12 lanes of 16), every geometry (the A rows are gathered per pixel); 3D one depth tap per sweep; tap pairs
+# split over warps (7 x 7: 13 + 12 pairs; 3 x 3 in three groups: 2 + 2 + 1, with slices and several chunks)
 MMA_CASES += [
     (mma("bwd_weight", 2, 1, 3, (8, 16, 4), (2, 1, 1)), ("depthwise",), 3, ALL_2D),
+    (mma("bwd_weight", 2, 1, 7, (16, 16, 2), (2, 2, 1)), ("depthwise",), 7, ("s1d1", "s2d1")),
+    (mma("bwd_weight", 2, 4, 3, (8, 16, 4), (4, 3, 1)), ("g4", "g4x3"), 3, ("s1d1", "s2d2")),
+    (mma("bwd_weight", 3, 1, 3, (8, 16, 2), (2, 2, 1)), ("depthwise",), 3, ("s1d1", "s2d1")),
+]
+# the depthwise row form (cutlass.rows): 8-pixel groups along W, a full and a partial last k block (24 and 12
+# groups), two and four channels per warp (partial lane blocks: 12 of 16), filter widths 3 / 7 / 4 (1D) with
+# dilation along W, stride and dilation along H; geometries it refuses (stride 2 along W) are checked below
+ROWS = (("cutlass.rows", 1),)
+MMA_CASES += [
+    (mma("bwd_weight", 2, 1, 3, (16, 16, 12), (8, 1, 1), extras=ROWS), ("depthwise",), 3, ("s1d1", "s1d2", "sh2dw2")),
+    (mma("bwd_weight", 2, 1, 7, (24, 16, 4), (4, 1, 1), "bf16", ROWS), ("depthwise",), 7, ("s1d1",)),
+    (mma("bwd_weight", 1, 1, 4, (64, 16, 1), (2, 1, 1), extras=ROWS), ("depthwise",), 4, ("s1d1", "s1d2")),
+    (mma("bwd_weight", 3, 1, 3, (16, 16, 2), (4, 1, 1), extras=ROWS), ("depthwise",), 3, ("s1d1", "s1d2")),
     (mma("bwd_weight", 2, 4, 3, (12, 16, 4), (4, 1, 1), "bf16"), ("g4", "g4x3"), 3, ALL_2D),
     (mma("bwd_weight", 2, 2, 3, (28, 8, 4), (2, 1, 1)), ("g2",), 3, ("s1d1", "s2d1", "s1d2")),
     (mma("bwd_weight", 2, 8, 3, (8, 16, 4), (2, 1, 1)), ("g8",), 3, ("s1d1", "s2d2")),
@@ -282,3 +297,18 @@ def test_direct_mma_refusals(libs):
         status, reason = lib.can_run(conv.make_args(problem, key))
         assert status == abi.UNSUPPORTED and phrase in reason, reason
     assert lib.can_run(conv.make_args(prob(4, 4, 1), key)) == (abi.OK, "")
+
+
+def test_direct_mma_rows_refusals(libs):
+    """The depthwise row form refuses a stride along W and taps past 16 columns ((fx - 1) x dilation > 8)."""
+    key = mma("bwd_weight", 2, 1, 7, (24, 16, 4), (4, 1, 1), "bf16", ROWS)
+    lib = built(libs, key)
+
+    def prob(stride, dilation):
+        return conv.ConvProblem("bwd_weight", 1, 16, 16, 16, (20, 20), (7, 7), stride, dilation, 3, 3, "bf16", "bf16",
+                                "bf16")
+
+    for problem in (prob((1, 2), (1, 1)), prob((1, 1), (1, 2))):
+        status, reason = lib.can_run(conv.make_args(problem, key))
+        assert status == abi.UNSUPPORTED and "row form" in reason and "along W" in reason, reason
+    assert lib.can_run(conv.make_args(prob((2, 1), (2, 1)), key)) == (abi.OK, "")

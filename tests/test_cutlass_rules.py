@@ -262,6 +262,9 @@ def mma_conv(direction="fwd", rank=2, cpg=4, kpg=None, tile=(28, 32, 8), warps=(
     direct_conv(extras=DW + (("cutlass.occupancy", 2),)),
     direct_conv("bwd_weight", mma=(3, 8, 1), extras=DW + (("cutlass.occupancy", 3),)),
     mma_conv("bwd_weight", warps=(8, 1, 1)), mma_conv("bwd_weight", cpg=1, f=7, tile=(28, 64, 8), warps=(16, 1, 1)),
+    mma_conv("bwd_weight", cpg=1, f=7, tile=(28, 64, 8), warps=(8, 2, 1), extras=(("cutlass.occupancy", 1),)),
+    mma_conv("bwd_weight", cpg=1, f=9, tile=(28, 32, 8), warps=(4, 2, 1)),  # 41 pairs in two groups
+    mma_conv("bwd_weight", cpg=1, f=7, tile=(56, 16, 8), warps=(8, 1, 1), extras=(("cutlass.rows", 1),)),
     mma_conv("bwd_weight", rank=1, cpg=1, tile=(256, 64, 1), warps=(8, 1, 1), f=4),
     mma_conv("bwd_weight", rank=3, tile=(16, 32, 4), warps=(8, 1, 1), dtype="bf16"),
 ], ids=lambda k: k.name[-60:])
@@ -279,7 +282,16 @@ def test_direct_mma_and_direct_occupancy_keys_are_legal_and_round_trip(key):
     (mma_conv("bwd_weight", tile=(28, 32, 1), warps=(4, 1, 1)), "cutlass.conv_direct_mma_wgrad"),  # 28 pixels
     (mma_conv("bwd_weight", cpg=16, tile=(16, 32, 2), warps=(4, 1, 1)), "cutlass.conv_direct_mma_wgrad"),  # C/G 16
     (mma_conv("bwd_weight", f=9, warps=(8, 1, 1)), "cutlass.conv_direct_mma_wgrad"),  # 81 taps: 41 pairs
+    (mma_conv("bwd_weight", f=11, warps=(4, 2, 1)), "cutlass.conv_direct_mma_wgrad"),  # 61 pairs: 31 a group
+    (mma_conv("bwd_weight", tile=(16, 8, 2), warps=(1, 6, 1)), "cutlass.conv_direct_mma_wgrad"),  # 6 groups, 5 pairs
     (mma_conv(cpg=4, kpg=8), "cutlass.conv_direct_mma_groups"),                     # C/G != K/G
+    (mma_conv(cpg=1, extras=(("cutlass.rows", 1),)), "cutlass.conv_direct_mma_rows"),  # fwd
+    (mma_conv("bwd_weight", cpg=4, tile=(56, 16, 8), warps=(8, 1, 1), extras=(("cutlass.rows", 1),)),
+     "cutlass.conv_direct_mma_rows"),                                               # C/G 4
+    (mma_conv("bwd_weight", cpg=1, tile=(28, 16, 8), warps=(8, 1, 1), extras=(("cutlass.rows", 1),)),
+     "cutlass.conv_direct_mma_rows"),                                               # 28 pixels: no 8-pixel groups
+    (mma_conv("bwd_weight", cpg=1, f=11, tile=(56, 16, 8), warps=(8, 1, 1), extras=(("cutlass.rows", 1),)),
+     "cutlass.conv_direct_mma_rows"),                                               # 11 taps along W
     (mma_conv(cpg=3), "cutlass.conv_direct_mma_groups"),                            # 3 neither divides 8 nor is a multiple
     (mma_conv(cpg=64, tile=(28, 48, 8), warps=(7, 2, 1)), "cutlass.conv_direct_mma_groups"),  # 48 vs 64 per group
     (mma_conv(f=0), "cutlass.conv_direct_filter"),                                  # always a compile-time filter
@@ -330,3 +342,20 @@ def test_direct_mma_bwd_weight_renders_and_ranks_first():
         cuda_core = direct_conv("bwd_weight", tile=(28, 64, 8), mma=(3, 8 // cpg, 1),
                                 extras=(("cutlass.cpg", cpg), ("cutlass.kpg", cpg)) + filt)
         assert estimated_cost(prob, mma_conv("bwd_weight", cpg=cpg, warps=(8, 1, 1))) < estimated_cost(prob, cuda_core)
+
+
+def test_direct_mma_rows_renders_and_ranks_first_on_depthwise_7x7():
+    """The row form renders its transpose (ldmatrix .trans into stmatrix) and diagonal reduce, and the ranker puts
+    the sets' row-form kernel before the channel-chunk one on depthwise 7 x 7 (bench/results/conv_run32)."""
+    from tiledispatch.ops.conv import ConvProblem
+    from tiledispatch.selection import estimated_cost
+
+    rows = mma_conv("bwd_weight", cpg=1, f=7, tile=(56, 16, 8), warps=(8, 1, 1),
+                    extras=(("cutlass.rows", 1), ("cutlass.occupancy", 2)))
+    text = codegen.render(rows)
+    assert "stsm_x4(dst, r4)" in text and "accumulate_rows(p, rl" in text and "reduce_rows(p, red, ctile" in text
+    assert "accumulate_mma(p, xs" not in text and "{{" not in text and "{%" not in text
+    assert "_conv_direct_wgrad_rows" not in codegen.render(mma_conv("bwd_weight", warps=(8, 1, 1)))
+    chunk = mma_conv("bwd_weight", cpg=1, f=7, tile=(28, 64, 8), warps=(8, 1, 1))
+    prob = ConvProblem("bwd_weight", 32, 128, 128, 128, (56, 56), (7, 7), 1, 1, 3, 3, "fp16", "fp16", "fp16")
+    assert estimated_cost(prob, rows) < estimated_cost(prob, chunk)

@@ -45,6 +45,7 @@ inline std::atomic<int> memset_calls{0};
 #define blockDim td_emu::block_dim
 
 inline void __syncthreads() { td_emu::block_bar->arrive_and_wait(); }
+inline void __syncwarp() { td_emu::warp->bar.arrive_and_wait(); }
 template <typename A> inline A min(A a, A b) { return b < a ? b : a; }
 template <typename A> inline A max(A a, A b) { return a < b ? b : a; }
 inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
@@ -87,6 +88,22 @@ inline void emu_ldsm(uint32_t* r, const E* p, bool trans, int matrices = 4) {
     }
     r[q] = uint32_t(v[0]) | (uint32_t(v[1]) << 16);
   }
+  w.bar.arrive_and_wait();
+}
+
+// stmatrix .x4: lane t's register q holds row t/4, columns 2(t%4), 2(t%4)+1 of matrix q; lanes 8q..8q+7 give
+// the rows' addresses.
+template <typename E>
+inline void emu_stsm(E* p, const uint32_t* r) {
+  const int lane = td_emu::tidx.x % 32;
+  td_emu::Warp& w = *td_emu::warp;
+  w.addr[lane] = p;
+  w.bar.arrive_and_wait();
+  for (int q = 0; q < 4; ++q)
+    for (int h = 0; h < 2; ++h) {
+      const uint16_t v = uint16_t(r[q] >> (16 * h));
+      std::memcpy(static_cast<E*>(const_cast<void*>(w.addr[8 * q + lane / 4])) + 2 * (lane % 4) + h, &v, 2);
+    }
   w.bar.arrive_and_wait();
 }
 

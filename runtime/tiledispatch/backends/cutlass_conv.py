@@ -30,8 +30,9 @@ def templates(key: KernelKey) -> list[str]:
         return [main, "_conv_common.j2", "_conv_direct.j2"]
     if alg.pipeline == "direct_mma":
         if sig.direction == "bwd_weight":
+            rows = ["_conv_direct_wgrad_rows.j2"] if alg.extra("cutlass.rows", 0) else []
             return ["conv_direct_bwd_weight.cu.j2", "_conv_common.j2", "_conv_direct.j2", "_conv_direct_wgrad_mma.j2",
-                    "_mma_sync.j2"]
+                    "_mma_sync.j2"] + rows
         return ["conv_direct.cu.j2", "_conv_common.j2", "_conv_direct.j2", "_conv_direct_mma.j2", "_mma_sync.j2"]
     if alg.pipeline == "tma_ws_conv":
         wgrad = ["_conv_sm90_wgrad.j2", "_conv_sm90_wgrad_abi.j2"] if sig.direction == "bwd_weight" else []
@@ -53,7 +54,8 @@ def context(key: KernelKey) -> dict:
         lg, rg = (cpg, kpg) if sig.direction == "bwd_data" else (kpg, cpg)
         # compile-time filter width / height (cutlass.fx / cutlass.fy), 0 = read at run time
         ctx.update(threads=alg.warps[0] * alg.warps[1] * 32, lg=lg, rg=rg, fx=alg.extra("cutlass.fx", 0),
-                   fy=alg.extra("cutlass.fy", 0), tc=alg.pipeline == "direct_mma", mma_type=_MMA_TYPE.get(sig.dtype_a))
+                   fy=alg.extra("cutlass.fy", 0), tc=alg.pipeline == "direct_mma", mma_type=_MMA_TYPE.get(sig.dtype_a),
+                   rows=alg.extra("cutlass.rows", 0))
         # bwd_weight's register window: pixels along W a thread takes at a time (the largest of 4, 2, 1 dividing
         # the tile width tile[0])
         ctx.update(pxw=next(n for n in (4, 2, 1) if alg.tile[0] % n == 0))
