@@ -114,6 +114,12 @@ MMA_CASES += [
     (mma("bwd_weight", 2, 1, 7, (16, 16, 2), (2, 2, 1)), ("depthwise",), 7, ("s1d1", "s2d1")),
     (mma("bwd_weight", 2, 4, 3, (8, 16, 4), (4, 3, 1)), ("g4", "g4x3"), 3, ("s1d1", "s2d2")),
     (mma("bwd_weight", 3, 1, 3, (8, 16, 2), (2, 2, 1)), ("depthwise",), 3, ("s1d1", "s2d1")),
+    (mma("bwd_weight", 2, 4, 3, (12, 16, 4), (4, 1, 1), "bf16"), ("g4", "g4x3"), 3, ALL_2D),
+    (mma("bwd_weight", 2, 2, 3, (28, 8, 4), (2, 1, 1)), ("g2",), 3, ("s1d1", "s2d1", "s1d2")),
+    (mma("bwd_weight", 2, 8, 3, (8, 16, 4), (2, 1, 1)), ("g8",), 3, ("s1d1", "s2d2")),
+    (mma("bwd_weight", 2, 1, 7, (16, 16, 2), (2, 1, 1)), ("depthwise",), 7, ("s1d1", "s2d1")),
+    (mma("bwd_weight", 1, 1, 4, (32, 16, 1), (2, 1, 1)), ("depthwise",), 4, tuple(ce.GEOMETRIES)),
+    (mma("bwd_weight", 3, 4, 3, (8, 16, 2), (2, 1, 1)), ("g4",), 3, ("s1d1", "s2d2")),
 ]
 # the depthwise row form (cutlass.rows): 8-pixel groups along W, a full and a partial last k block (24 and 12
 # groups), two and four channels per warp (partial lane blocks: 12 of 16), filter widths 3 / 7 / 4 (1D) with
@@ -124,12 +130,6 @@ MMA_CASES += [
     (mma("bwd_weight", 2, 1, 7, (24, 16, 4), (4, 1, 1), "bf16", ROWS), ("depthwise",), 7, ("s1d1",)),
     (mma("bwd_weight", 1, 1, 4, (64, 16, 1), (2, 1, 1), extras=ROWS), ("depthwise",), 4, ("s1d1", "s1d2")),
     (mma("bwd_weight", 3, 1, 3, (16, 16, 2), (4, 1, 1), extras=ROWS), ("depthwise",), 3, ("s1d1", "s1d2")),
-    (mma("bwd_weight", 2, 4, 3, (12, 16, 4), (4, 1, 1), "bf16"), ("g4", "g4x3"), 3, ALL_2D),
-    (mma("bwd_weight", 2, 2, 3, (28, 8, 4), (2, 1, 1)), ("g2",), 3, ("s1d1", "s2d1", "s1d2")),
-    (mma("bwd_weight", 2, 8, 3, (8, 16, 4), (2, 1, 1)), ("g8",), 3, ("s1d1", "s2d2")),
-    (mma("bwd_weight", 2, 1, 7, (16, 16, 2), (2, 1, 1)), ("depthwise",), 7, ("s1d1", "s2d1")),
-    (mma("bwd_weight", 1, 1, 4, (32, 16, 1), (2, 1, 1)), ("depthwise",), 4, tuple(ce.GEOMETRIES)),
-    (mma("bwd_weight", 3, 4, 3, (8, 16, 2), (2, 1, 1)), ("g4",), 3, ("s1d1", "s2d2")),
 ]
 
 

@@ -2,6 +2,7 @@
 cutlass kernel, compile flags and toolchain identity."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -292,6 +293,8 @@ def test_direct_mma_and_direct_occupancy_keys_are_legal_and_round_trip(key):
      "cutlass.conv_direct_mma_rows"),                                               # 28 pixels: no 8-pixel groups
     (mma_conv("bwd_weight", cpg=1, f=11, tile=(56, 16, 8), warps=(8, 1, 1), extras=(("cutlass.rows", 1),)),
      "cutlass.conv_direct_mma_rows"),                                               # 11 taps along W
+    (dataclasses.replace(mma_conv("bwd_weight", cpg=1, f=7, tile=(56, 16, 8), warps=(8, 1, 1),
+                                  extras=(("cutlass.rows", 1),)), arch="sm80"), "cutlass.conv_direct_mma_rows"),  # stmatrix
     (mma_conv(cpg=3), "cutlass.conv_direct_mma_groups"),                            # 3 neither divides 8 nor is a multiple
     (mma_conv(cpg=64, tile=(28, 48, 8), warps=(7, 2, 1)), "cutlass.conv_direct_mma_groups"),  # 48 vs 64 per group
     (mma_conv(f=0), "cutlass.conv_direct_filter"),                                  # always a compile-time filter
@@ -355,7 +358,8 @@ def test_direct_mma_rows_renders_and_ranks_first_on_depthwise_7x7():
     text = codegen.render(rows)
     assert "stsm_x4(dst, r4)" in text and "accumulate_rows(p, rl" in text and "reduce_rows(p, red, ctile" in text
     assert "accumulate_mma(p, xs" not in text and "{{" not in text and "{%" not in text
-    assert "_conv_direct_wgrad_rows" not in codegen.render(mma_conv("bwd_weight", warps=(8, 1, 1)))
+    chunk_text = codegen.render(mma_conv("bwd_weight", warps=(8, 1, 1)))
+    assert "transpose_step" not in chunk_text and "stmatrix" not in chunk_text  # sm80 builds have no stmatrix
     chunk = mma_conv("bwd_weight", cpg=1, f=7, tile=(28, 64, 8), warps=(8, 1, 1))
     prob = ConvProblem("bwd_weight", 32, 128, 128, 128, (56, 56), (7, 7), 1, 1, 3, 3, "fp16", "fp16", "fp16")
     assert estimated_cost(prob, rows) < estimated_cost(prob, chunk)

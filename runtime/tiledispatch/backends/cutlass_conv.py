@@ -63,7 +63,7 @@ def context(key: KernelKey) -> dict:
         ctx.update(_sm90_context(key))
     else:
         ctx.update(threads=alg.warps[0] * alg.warps[1] * 32, stages=alg.stages or DEFAULT_STAGES,
-                   mma_type=_MMA_TYPE[sig.dtype_a])
+                   mma_type=_MMA_TYPE[sig.dtype_a], rows=0)
     return ctx
 
 
