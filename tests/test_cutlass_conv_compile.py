@@ -1,7 +1,7 @@
 """cutlass conv kernels, compile only (no GPU): one direct and one implicit-GEMM kernel through nvcc for sm90a
-(a few seconds each: no CUTLASS headers involved) and one CUTLASS SM90 conv (tma_ws_conv, about a minute and
-3.3 GB), then their host code (key export, argument checks with their reasons, workspace size) without a
-device. Skipped unless the cutlass toolchain (nvcc + headers) is present."""
+(a few seconds each: no CUTLASS headers involved) and two CUTLASS SM90 convs (tma_ws_conv with one and with two
+consumer warpgroups, about a minute and 3.3 GB each), then their host code (key export, argument checks with their
+reasons, workspace size) without a device. Skipped unless the cutlass toolchain (nvcc + headers) is present."""
 from __future__ import annotations
 
 
@@ -34,7 +34,12 @@ IGEMM = KernelKey(Signature("conv", "bf16", "bf16", "bf16", "fp32", "nhwgc", Epi
 SM90 = KernelKey(Signature("conv", "fp16", "fp16", "fp16", "fp32", "nhwgc", Epilogue(), "bwd_weight", 2),
                  Algorithm((64, 128, 64), "tma_ws_conv", (4, 1, 1), (64, 128, 16), "data_parallel", 1, (1, 1, 1), 0),
                  "cutlass", "sm90a")
-KEYS = (DIRECT, IGEMM, SM90, DIRECT_FX)
+# conv_fp16_fwd_essential's 1D kernel: two consumer warpgroups (our kernel body, _conv_sm90_consumers.j2) in a
+# cluster of two CTAs
+SM90_TWO = KernelKey(Signature("conv", "fp16", "fp16", "fp16", "fp32", "nhwgc", Epilogue(), "fwd", 1),
+                     Algorithm((128, 256, 64), "tma_ws_conv", (8, 1, 1), (64, 256, 16), "data_parallel", 1, (1, 2, 1),
+                               0), "cutlass", "sm90a")
+KEYS = (DIRECT, IGEMM, SM90, DIRECT_FX, SM90_TWO)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +48,7 @@ def libraries(tmp_path_factory):
     return {key: abi.KernelLibrary(lib) for key, (lib, _) in built.items()}
 
 
-@pytest.mark.parametrize("key", KEYS, ids=["direct", "implicit_gemm", "tma_ws_conv", "direct_fx"])
+@pytest.mark.parametrize("key", KEYS, ids=["direct", "implicit_gemm", "tma_ws_conv", "direct_fx", "tma_ws_conv_two"])
 def test_compiles_and_reports_its_key(libraries, key):
     lib = libraries[key]
     assert lib.abi_version() == abi.ABI_VERSION
@@ -118,4 +123,16 @@ def test_sm90_host_checks_without_a_device(libraries):
     status, reason = lib.can_run(args)
     assert status == abi.UNSUPPORTED and "packed" in reason
     status, reason = lib.run(conv.make_args(wgrad(), SM90))  # refused before any launch: no device here
+    assert status != abi.OK and reason
+
+
+def test_sm90_two_consumers_host_checks_without_a_device(libraries):
+    lib = libraries[SM90_TWO]
+    wide = conv.ConvProblem("fwd", 16, 1, 512, 512, (2048,), (3,), 1, 1, 1, 1, "fp16", "fp16", "fp16")
+    args = conv.make_args(wide, SM90_TWO)
+    assert lib.can_run(args) == (abi.OK, "")
+    assert lib.workspace_bytes(args) == 0
+    grouped = conv.ConvProblem("fwd", 16, 2, 512, 512, (2048,), (3,), 1, 1, 1, 1, "fp16", "fp16", "fp16")
+    assert "groups = 1" in _refusal(lib, grouped, SM90_TWO)
+    status, reason = lib.run(args)  # refused before any launch: no device here
     assert status != abi.OK and reason

@@ -29,7 +29,11 @@ LEGAL = [key(), key("bwd_data", 1, (128, 64, 64)), key("bwd_weight", 3, (64, 128
          key(tile=(64, 256, 64), cluster=(2, 1, 1)), key("fwd", 3, cluster=(1, 2, 1), stages=4),
          key("bwd_data", 2, cluster=(2, 2, 1), stages=6),
          key("fwd", 2, (128, 64, 64), stages=4, extras=(("cutlass.occupancy", 2),)),
-         key("bwd_weight", 3, (64, 64, 64), stages=4, extras=(("cutlass.occupancy", 3),))]
+         key("bwd_weight", 3, (64, 64, 64), stages=4, extras=(("cutlass.occupancy", 3),)),
+         # two consumer warpgroups stacked along m
+         key("fwd", 1, (128, 256, 64), warps=(8, 1, 1)), key("bwd_data", 2, (256, 128, 64), warps=(8, 1, 1), cluster=(1, 2, 1)),
+         key("fwd", 3, (128, 128, 64), warps=(8, 1, 1), stages=4, extras=(("cutlass.occupancy", 1),)),
+         key("bwd_weight", 1, (256, 128, 64), warps=(8, 1, 1))]
 
 
 @pytest.mark.parametrize("k", LEGAL, ids=lambda k: k.name[:60])
@@ -41,12 +45,16 @@ def test_legal_keys_pass_and_round_trip(k):
 @pytest.mark.parametrize("k, rule", [
     (key(arch="sm80"), "cutlass.conv_sm90_arch"),
     (key(dtype="fp32", tile=(128, 128, 32), mma=(64, 128, 8)), "cutlass.conv_sm90_dtype"),
-    (key(warps=(8, 1, 1)), "cutlass.conv_sm90_shape"),
+    (key(warps=(2, 1, 1)), "cutlass.conv_sm90_shape"),
+    (key(warps=(4, 2, 1)), "cutlass.conv_sm90_shape"),
     (key(mma=(64, 64, 16)), "cutlass.conv_sm90_shape"),
     (key(tile=(128, 256, 64)), "cutlass.conv_sm90_tile"),       # 256 accumulators per thread
     (key(tile=(256, 64, 64)), "cutlass.conv_sm90_tile"),
     (key(tile=(128, 96, 64)), "cutlass.conv_sm90_tile"),
     (key(tile=(128, 128, 32)), "cutlass.conv_sm90_tile"),
+    (key(tile=(64, 128, 64), warps=(8, 1, 1)), "cutlass.conv_sm90_tile"),       # 32 rows a warpgroup
+    (key(tile=(256, 256, 64), warps=(8, 1, 1)), "cutlass.conv_sm90_tile"),      # 256 accumulators per thread
+    (key(warps=(8, 1, 1), stages=3, extras=(("cutlass.occupancy", 2),)), "cutlass.conv_sm90_consumers"),
     (key(cluster=(4, 1, 1)), "cutlass.conv_sm90_cluster"),
     (key(cluster=(1, 1, 2)), "cutlass.conv_sm90_cluster"),
     (key(stages=9), "cutlass.conv_sm90_smem"),
@@ -150,6 +158,36 @@ def test_fwd_and_bwd_data_keep_the_unsplit_kernel(direction):
     assert "tdk::launch(tdk::conv_kernel, tdk::Conv::get_grid_shape(params), params, stream);" in text
 
 
+@pytest.mark.parametrize("direction", ["fwd", "bwd_data"])
+def test_two_consumer_warpgroups_run_our_kernel_body(direction):
+    """warps [8, 1, 1]: the builder's mainloop types with a 2 x 1 warpgroup GMMA layout, the cooperative epilogue
+    (128-row subtiles over both warpgroups), and TwoConsumerConv's body on CUTLASS's host side."""
+    k = key(direction, 1, (128, 256, 64), warps=(8, 1, 1))
+    text = codegen.render(k)
+    assert "cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));" in text
+    assert "typename MainloopBuilder::DispatchPolicy, TileShape, Element, Element, TwoWarpgroupMma," in text
+    assert "cutlass::epilogue::TmaWarpSpecializedCooperative>" in text
+    assert "struct TwoConsumerConv : ConvBase {" in text and "using ConvKernel = TwoConsumerConv;" in text
+    # both consumer warpgroups arrive on the pipelines and take the producer's registers
+    assert "mainloop_params.num_consumers = MMA_THREADS;" in text and "epi_load_params.consumer_arv_count = MMA_THREADS;" in text
+    assert "warpgroup_reg_alloc<CONSUMER_REGISTERS>" in text and "warpgroup_reg_dealloc<PRODUCER_REGISTERS>" in text
+    assert "mma_thread, storage.tensors.mainloop, params.mainloop);" in text
+    assert cutlass.templates(k)[-1] == "_conv_sm90_consumers.j2"
+    one = codegen.render(key(direction, 1, (128, 128, 64)))
+    assert "TwoConsumerConv" not in one and "TwoWarpgroupMma" not in one
+    assert "using ConvKernel = cutlass::conv::kernel::ConvUniversal<" in one
+
+
+def test_two_consumer_bwd_weight_keeps_its_split_body():
+    k = key("bwd_weight", 1, (256, 128, 64), warps=(8, 1, 1))
+    text = codegen.render(k)
+    assert "TwoWarpgroupMma" in text and "struct TwoConsumerConv" not in text
+    assert "cutlass::epilogue::NoSmemWarpSpecialized" in text
+    assert "pipeline_params.num_consumers = MMA_THREADS;" in text
+    assert "mainloop.mma(pipeline, mma_state, acc, count, mma_thread," in text
+    assert "_conv_sm90_consumers.j2" not in cutlass.templates(k)
+
+
 @pytest.mark.parametrize("direction", ["fwd", "bwd_weight"])
 def test_occupancy_sets_the_launch_bounds_and_checks_shared_memory(direction):
     """cutlass.occupancy: the launched kernel's minimum resident CTAs, a compile-time check that that many CTAs'
@@ -207,6 +245,16 @@ def _problem(direction, n, c, k, sp, f, stride=1, pad=1):
 ])
 def test_dense_problems_rank_tma_ws_conv_first(direction, shape):
     assert _ranked(_problem(direction, *shape))[0].algorithm.pipeline == "tma_ws_conv"
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd_data"])
+def test_wide_1d_layers_rank_the_two_warpgroup_tile_first(direction):
+    # 512 channels: 128 x 256 over two consumer warpgroups (bench/results/conv_run36_consumers); 64 channels
+    # would pad it 4x, so the 128 x 64 tile with two resident CTAs leads there
+    wide = _ranked(_problem(direction, 16, 512, 512, (2048,), (3,)))[0].algorithm
+    assert (wide.tile, wide.warps, wide.cluster) == ((128, 256, 64), (8, 1, 1), (1, 2, 1))
+    narrow = _ranked(_problem(direction, 16, 64, 64, (2048,), (3,)))[0].algorithm
+    assert (narrow.tile, narrow.warps) == ((128, 64, 64), (4, 1, 1))
 
 
 @pytest.mark.parametrize("shape", [

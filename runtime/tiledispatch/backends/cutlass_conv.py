@@ -36,7 +36,8 @@ def templates(key: KernelKey) -> list[str]:
         return ["conv_direct.cu.j2", "_conv_common.j2", "_conv_direct.j2", "_conv_direct_mma.j2", "_mma_sync.j2"]
     if alg.pipeline == "tma_ws_conv":
         wgrad = ["_conv_sm90_wgrad.j2", "_conv_sm90_wgrad_abi.j2"] if sig.direction == "bwd_weight" else []
-        return ["conv_sm90.cu.j2", "_conv_common.j2", "_tma_driver.j2"] + wgrad
+        consumers = ["_conv_sm90_consumers.j2"] if _consumers(key) == 2 and not wgrad else []
+        return ["conv_sm90.cu.j2", "_conv_common.j2", "_tma_driver.j2"] + wgrad + consumers
     return ["conv_igemm.cu.j2", "_conv_common.j2", "_mma_sync.j2"]
 
 
@@ -72,6 +73,7 @@ def _sm90_context(key: KernelKey) -> dict:
     sig, alg = key.signature, key.algorithm
     wgrad = sig.direction == "bwd_weight"
     tm, tn, tk = alg.tile
+    consumers = _consumers(key)
     return {
         "element": _CUTLASS_ELEMENT[sig.dtype_a],
         "conv_op": "cutlass::conv::Operator::" + _CUTLASS_OP[sig.direction],
@@ -82,7 +84,11 @@ def _sm90_context(key: KernelKey) -> dict:
         "tile_shape": f"cute::Shape<cute::_{tm}, {f'cute::Shape<cute::_{tn}>' if wgrad else f'cute::_{tn}'}, "
                       f"cute::Shape<cute::_{tk}>>",
         # dY / dW of bwd_weight are small next to its reduction; CUTLASS's own wgrad kernels store directly
-        "epilogue_schedule": "cutlass::epilogue::" + ("NoSmemWarpSpecialized" if wgrad else "TmaWarpSpecialized"),
+        # two consumer warpgroups share each epilogue subtile (128 rows, both warpgroups' 64-row slices)
+        "epilogue_schedule": "cutlass::epilogue::" + ("NoSmemWarpSpecialized" if wgrad else
+                                                      "TmaWarpSpecializedCooperative" if consumers == 2 else
+                                                      "TmaWarpSpecialized"),
+        "consumers": consumers,
         "align": 16 // dtype(sig.dtype_a).itemsize,
         # bwd_weight writes fp32 partial dW per k range (the workspace) from our persistent kernel body
         # (wgrad_split), then finalize_splits sums and converts them into W
@@ -93,6 +99,12 @@ def _sm90_context(key: KernelKey) -> dict:
         "sm_smem_bytes": rules.archs("cutlass")[key.arch]["sm_smem_bytes"],
         "compute_units": rules.archs("cutlass")[key.arch]["compute_units"],
     } | (_wgrad_split_context(key) if wgrad else {})
+
+
+def _consumers(key: KernelKey) -> int:
+    """Consumer warpgroups of a tma_ws_conv tile: warps [4, 1, 1] one (CUTLASS's kernel body), [8, 1, 1] two
+    (fwd / bwd_data: templates/cutlass/_conv_sm90_consumers.j2; bwd_weight: its split body)."""
+    return key.algorithm.warps[0] // 4
 
 
 def _wgrad_split_context(key: KernelKey) -> dict:
