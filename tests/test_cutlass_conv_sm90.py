@@ -55,6 +55,8 @@ def test_legal_keys_pass_and_round_trip(k):
     (key(tile=(64, 128, 64), warps=(8, 1, 1)), "cutlass.conv_sm90_tile"),       # 32 rows a warpgroup
     (key(tile=(256, 256, 64), warps=(8, 1, 1)), "cutlass.conv_sm90_tile"),      # 256 accumulators per thread
     (key(warps=(8, 1, 1), stages=3, extras=(("cutlass.occupancy", 2),)), "cutlass.conv_sm90_consumers"),
+    (key(tile=(128, 64, 64), stages=3, extras=(("cutlass.occupancy", 3),)), "cutlass.conv_sm90_registers"),
+    (key(stages=3, extras=(("cutlass.occupancy", 2),)), "cutlass.conv_sm90_registers"),  # 128 accumulators
     (key(cluster=(4, 1, 1)), "cutlass.conv_sm90_cluster"),
     (key(cluster=(1, 1, 2)), "cutlass.conv_sm90_cluster"),
     (key(stages=9), "cutlass.conv_sm90_smem"),
