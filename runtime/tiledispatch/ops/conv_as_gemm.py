@@ -7,7 +7,9 @@ MIOpen do for pointwise layers.
     bwd_data  dX[NP, C] = dY[NP, K] . W[K, C]      (layout rrr)
 
 bwd_weight (dW = dY^T . X) is left to the conv kernels: its reduction runs over every pixel of the batch, which
-needs a split / stream-K GEMM, and the conv kernels' persistent split-K already provides one.
+needs a split / stream-K GEMM, and the conv kernels' persistent split-K already provides one. Measured as a crr
+stream-K GEMM on the H100 (CUTLASS's cooperative stream-K kernels), ResNet-50's 1x1 layer took 76-423 us against
+the conv kernel's 33.4 (bench/results/conv_run37_pointwise_wgrad/).
 """
 from __future__ import annotations
 
