@@ -154,44 +154,39 @@ def check_kernels(registries, cases_cache, rng) -> list[dict]:
 
 # tma_ws_conv bwd_weight splits its pixel sum into S k ranges on persistent CTAs (templates/cutlass/_conv_sm90_wgrad.j2);
 # per rank, problems (N, C, K, spatial, filter) tried in order until each wanted kind of split is found for the
-# kernel's tile: S = 1, S > 1 equal splits with uneven k ranges, S > 1 with K not a multiple of tile m (padded
-# partial rows), more tiles than resident CTAs (unsplit, each CTA looping over tiles), the balanced deal (shares
-# of the line of k tiles crossing tile edges, unused slots zeroed); each also with alpha/beta.
+# kernel's tile: S = 1, S > 1 with uneven k ranges, S > 1 with K not a multiple of tile m (padded partial rows),
+# more tiles than resident CTAs (unsplit, each CTA looping over tiles); each also with alpha/beta.
 SPLIT_PROBLEMS = {
-    1: [(3, 64, 64, (37,), (5,)), (7, 64, 48, (301,), (5,)), (3, 1024, 1024, (9,), (5,)), (16, 64, 64, (2048,), (3,)),
-        (16, 64, 384, (4096,), (3,)), (16, 256, 256, (2048,), (3,))],
+    1: [(3, 64, 64, (37,), (5,)), (7, 64, 48, (301,), (5,)), (3, 1024, 1024, (9,), (5,)), (16, 64, 64, (2048,), (3,))],
     2: [(3, 64, 64, (9, 11), (3, 3)), (5, 64, 48, (27, 29), (3, 3)), (3, 1024, 1024, (5, 5), (3, 3)),
-        (16, 64, 64, (56, 56), (3, 3)), (16, 192, 256, (32, 32), (3, 3))],
+        (16, 64, 64, (56, 56), (3, 3))],
     3: [(3, 32, 48, (3, 5, 7), (3, 3, 3)), (5, 64, 48, (7, 9, 11), (3, 3, 3)), (3, 256, 256, (3, 5, 7), (3, 3, 3)),
-        (2, 512, 512, (3, 5, 7), (3, 3, 3)), (16, 96, 96, (8, 12, 12), (3, 3, 3))],
+        (2, 512, 512, (3, 5, 7), (3, 3, 3))],
 }
 
 
-def wgrad_split(p, key) -> tuple[int, int, int, int, int]:
-    """(S, units, ktiles, resident CTAs, workers) of the kernel on the problem (the ranker models its rule);
-    workers > 0: the balanced deal."""
+def wgrad_split(p, key) -> tuple[int, int, int, int]:
+    """(S, units, ktiles, resident CTAs) of the kernel on the problem (the ranker models its rule)."""
     from tiledispatch.selection import compute_units, conv_partials_split, resident_ctas
-    s, tiles, ktiles, _, workers = conv_partials_split(p, key)
-    return s, tiles * s, ktiles, compute_units(key.backend, key.arch) * resident_ctas(key), workers
+    s, tiles, ktiles, _ = conv_partials_split(p, key)
+    return s, tiles * s, ktiles, compute_units(key.backend, key.arch) * resident_ctas(key)
 
 
 def split_cases(key) -> list:
     """[(label, problem)] for a tma_ws_conv bwd_weight key: each kind of split of SPLIT_PROBLEMS's comment."""
     rank, tm = key.signature.spatial_dims, key.algorithm.tile[0]
-    want = {"S=1": lambda s, u, kt, r, k, w: s == 1 and not w,
-            "uneven k": lambda s, u, kt, r, k, w: s > 1 and kt % s and not w,
-            "K%m": lambda s, u, kt, r, k, w: s > 1 and k % tm,
-            "tiles>CTAs": lambda s, u, kt, r, k, w: s == 1 and u > r and not w,
-            "balanced": lambda s, u, kt, r, k, w: w > 0}
+    want = {"S=1": lambda s, u, kt, r, k: s == 1,
+            "uneven k": lambda s, u, kt, r, k: s > 1 and kt % s,
+            "K%m": lambda s, u, kt, r, k: s > 1 and k % tm,
+            "tiles>CTAs": lambda s, u, kt, r, k: s == 1 and u > r}
     found = {}
     for n, c, k, sp, f in SPLIT_PROBLEMS[rank]:
         p = conv.ConvProblem("bwd_weight", n, 1, c, k, sp, f, (1,) * rank, (1,) * rank, (1,) * rank, (0,) * rank,
                              key.signature.dtype_a, key.signature.dtype_a, key.signature.dtype_a)
-        s, units, ktiles, resident, workers = wgrad_split(p, key)
+        s, units, ktiles, resident = wgrad_split(p, key)
         for label, ok in want.items():
-            if label not in found and ok(s, units, ktiles, resident, k, workers):
-                found[label] = (f"{label} (S={s}, {workers or units} {'CTAs' if workers else 'units'}, "
-                                f"{ktiles} k tiles)", p)
+            if label not in found and ok(s, units, ktiles, resident, k):
+                found[label] = (f"{label} (S={s}, {units} units, {ktiles} k tiles)", p)
     missing = set(want) - set(found)
     if missing:
         raise RuntimeError(f"{key.name}: no SPLIT_PROBLEMS case for {sorted(missing)}")

@@ -98,9 +98,8 @@ def test_sm90_host_checks_without_a_device(libraries):
     args = conv.make_args(wgrad(), SM90)
     assert lib.can_run(args) == (abi.OK, "")  # our checks and CUTLASS's can_implement, host only
     # the split, decided without a device, is the ranker's (selection.partials_split): S fp32 partials of
-    # (K rounded up to 64) x taps x C (tiles: ceil(K / 64) x taps x ceil(C / 128), C padded per tap); the 56 x 56
-    # layer's 9 tiles take the balanced deal over 132 CTAs (16 slots a tile)
-    for problem, slices in ((wgrad(), 4), (wgrad(n=32, size=(56, 56)), 16), (wgrad(n=5, c=512), 2),
+    # (K rounded up to 64) x taps x C (tiles: ceil(K / 64) x taps x ceil(C / 128), C padded per tap)
+    for problem, slices in ((wgrad(), 4), (wgrad(n=32, size=(56, 56)), 14), (wgrad(n=5, c=512), 2),
                             (wgrad(n=32, c=256, k=64, pad=0, filt=(1, 1)), 20), (wgrad(n=8, c=512, k=512), 1),
                             (wgrad(k=48), 4)):
         taps = 1 if problem.filter_size == (1, 1) else 9

@@ -3,8 +3,6 @@ rules with their ids, the CUTLASS types each direction and rank renders, and the
 between it and the project's own kernels."""
 from __future__ import annotations
 
-import math
-
 import pytest
 
 from tiledispatch import backends, codegen, kernelset
@@ -134,12 +132,8 @@ def test_bwd_weight_splits_the_pixel_sum_and_finalizes():
     assert "constexpr int EPILOGUE_KTILES = 2;" in text
     # our persistent kernel body on CUTLASS's collectives: units of (split, tile) over a grid of resident CTAs
     assert "wgrad_split(const __grid_constant__ SplitParams sp)" in text
-    assert "for (int u = int(blockIdx.x); u < sp.units; u += int(gridDim.x))" in text
+    assert "for (int unit = int(blockIdx.x); unit < sp.units; unit += int(gridDim.x))" in text
     assert "mainloop.load(params.mainloop, pipeline, load_state, inputs," in text and "load_state.advance(count);" in text
-    # the balanced deal: each CTA's share of the line of k tiles, the slots no CTA took written as zeros
-    assert "for (int64_t x = me * total / sp.workers; x < end;)" in text
-    assert "for (int s = slot + 1; s < sp.splits; ++s) unit(tile, 0, 0, s);" in text
-    assert "sp.workers > 0 ? sp.workers : std::min(params.units, sms * tdk::OCCUPANCY)" in text
     assert "mainloop.mma_tail(pipeline, mma_state, count);" in text and "mma_state.advance(count);" in text
     assert "cudaFuncSetAttribute(wgrad_split," in text and "std::min(params.units, sms * tdk::OCCUPANCY)" in text
     # fp32 partials with alpha 1 / beta 0, then the finalize kernel applies alpha / beta
@@ -299,73 +293,42 @@ def test_runtime_split_is_modelled_for_bwd_weight_only():
 
 
 def _split(n, c, k, sp, f, tile=(64, 128, 64), occupancy=0):
-    """(S, CTAs or units, cost, workers) the ranker models for a tma_ws_conv bwd_weight key: choose_splits' rule."""
+    """(S, units, cost) the ranker models for a tma_ws_conv bwd_weight key: choose_splits' rule."""
     from tiledispatch.selection import conv_partials_split
     extras = (("cutlass.occupancy", occupancy),) if occupancy else ()
     kk = key("bwd_weight", len(sp), tile, stages=4 if occupancy else 0, extras=extras)
-    s, tiles, _, cost, workers = conv_partials_split(_problem("bwd_weight", n, c, k, sp, f,
-                                                              pad=1 if f[0] == 3 else 0), kk)
-    return s, workers or tiles * s, cost, workers
+    s, tiles, _, cost = conv_partials_split(_problem("bwd_weight", n, c, k, sp, f, pad=1 if f[0] == 3 else 0), kk)
+    return s, tiles * s, cost
 
 
-@pytest.mark.parametrize("n, c, k, sp, f, tile, occupancy, splits, workers", [
+@pytest.mark.parametrize("n, c, k, sp, f, tile, occupancy, splits", [
     # ResNet-50 1x1 (64 x 256, 1568 k tiles): 33 splits of 4 tiles fill the 132 SMs in one wave
-    (32, 256, 64, (56, 56), (1, 1), (64, 64, 64), 0, 33, 0),
-    # three CTAs per SM: 396 slots, 98 splits x 4 tiles (392 units); the balanced deal would need 100 slots
-    (32, 256, 64, (56, 56), (1, 1), (64, 64, 64), 3, 98, 0),
+    (32, 256, 64, (56, 56), (1, 1), (64, 64, 64), 0, 33),
+    # three CTAs per SM: 396 slots, 98 splits x 4 tiles
+    (32, 256, 64, (56, 56), (1, 1), (64, 64, 64), 3, 98),
     # late 14x14 (256 x 2304, 98 k tiles): a big fp32 partial per split, so 3 splits of 36 tiles in one wave
-    (32, 256, 256, (14, 14), (3, 3), (128, 128, 64), 0, 3, 0),
-    # ... its 72 tiles of 64 x 128 would keep 72 of 132 SMs busy unsplit: the balanced deal, 3 slots a tile
-    (32, 256, 256, (14, 14), (3, 3), (64, 128, 64), 0, 3, 132),
-    # video 3D (27 tiles, 6272 k tiles): 4 equal splits would keep 108 SMs busy; the deal takes all 132
-    (8, 64, 64, (16, 56, 56), (3, 3, 3), (64, 64, 64), 0, 6, 132),
-    # three CTAs per SM: 396 CTAs, 16 slots
-    (8, 64, 64, (16, 56, 56), (3, 3, 3), (64, 64, 64), 3, 16, 396),
-    # conv1d (48 tiles of 128 x 128, 512 k tiles): 2 equal splits would keep 96 busy
-    (16, 512, 512, (2048,), (3,), (128, 128, 64), 0, 4, 132),
-    # ResNet-50 3x3 (9 tiles, 1568 k tiles)
-    (32, 64, 64, (56, 56), (3, 3), (64, 64, 64), 0, 16, 132),
+    (32, 256, 256, (14, 14), (3, 3), (128, 128, 64), 0, 3),
+    # video 3D (27 tiles, 6272 k tiles): 4 splits, 108 units (one wave: never a second one of units)
+    (8, 64, 64, (16, 56, 56), (3, 3, 3), (64, 64, 64), 0, 4),
+    # three CTAs per SM: 14 splits, 378 units
+    (8, 64, 64, (16, 56, 56), (3, 3, 3), (64, 64, 64), 3, 14),
+    # conv1d (48 tiles of 128 x 128, 512 k tiles): 2 splits, 96 units
+    (16, 512, 512, (2048,), (3,), (128, 128, 64), 0, 2),
+    # ResNet-50 3x3 (9 tiles): 14 splits of 112 k tiles (whole images allowed 11 slices of 3 images)
+    (32, 64, 64, (56, 56), (3, 3), (64, 64, 64), 0, 14),
     # 1024 x 9216 of 128 x 128 tiles fill the GPU unsplit
-    (8, 1024, 1024, (14, 14), (3, 3), (128, 128, 64), 0, 1, 0),
+    (8, 1024, 1024, (14, 14), (3, 3), (128, 128, 64), 0, 1),
 ])
-def test_split_of_tma_ws_conv_bwd_weight(n, c, k, sp, f, tile, occupancy, splits, workers):
+def test_split_of_tma_ws_conv_bwd_weight(n, c, k, sp, f, tile, occupancy, splits):
     """The rule the kernel applies (_conv_sm90_wgrad.j2, choose_splits) as the ranker models it."""
-    s, _, _, w = _split(n, c, k, sp, f, tile, occupancy)
-    assert (s, w) == (splits, workers)
-
-
-@pytest.mark.parametrize("tiles, ktiles, workers", [(48, 512, 132), (27, 6272, 132), (9, 1568, 132), (5, 7, 33),
-                                                    (72, 98, 132), (1, 300, 132), (131, 2, 132)])
-def test_the_balanced_deal_covers_every_k_tile_once(tiles, ktiles, workers):
-    """Each CTA's share, cut at tile edges, gives each tile's segments consecutive slots from 0, no more than
-    deal_slots of them; together they cover every (tile, k tile) once (the kernel's loop, in Python)."""
-    from tiledispatch.selection import deal_slots, worker_of
-    total, slots = tiles * ktiles, deal_slots(tiles, ktiles, workers)
-    seen, segments = [0] * total, {}
-    for me in range(workers):
-        x, end = me * total // workers, (me + 1) * total // workers
-        while x < end:
-            tile = x // ktiles
-            stop = min(end, (tile + 1) * ktiles)
-            slot = me - worker_of(tile * ktiles, total, workers)
-            assert 0 <= slot < slots
-            segments.setdefault(tile, []).append(slot)
-            for i in range(x, stop):
-                seen[i] += 1
-            x = stop
-    assert seen == [1] * total
-    assert all(v == list(range(len(v))) for v in segments.values()) and max(map(len, segments.values())) == slots
+    assert _split(n, c, k, sp, f, tile, occupancy)[0] == splits
 
 
 def test_split_cost_counts_waves_and_partials():
-    from tiledispatch.selection import partials_plan, partials_split
+    from tiledispatch.selection import partials_split
     kk = key("bwd_weight", 2, (64, 64, 64))
-    # equal splits never start a second wave of units: 67 tiles stay unsplit on 132 slots, and the balanced deal
-    # (1000 k tiles a tile, 508 a CTA: each tile shared by up to 3 CTAs) is cheaper
-    assert partials_plan(kk, 67, 1000, 0, 2) == (3, math.ceil(67000 / 132) + 2 * 2, 132)
-    # a partial as costly as a tile's reduction: the equal split's one partial wins
-    assert partials_plan(kk, 67, 1000, 64 * 64 * 64 * 1000, 2)[2] == 0
-    # more tiles than CTAs: unsplit, the cost counts its waves
+    # splits never start a second wave of units; more tiles than CTAs: unsplit, the cost counts its waves
+    assert partials_split(kk, 67, 1000, 0, 2)[0] == 1
     assert partials_split(kk, 300, 10, 0, 2) == (1, 3 * (10 + 2))
     # 1 tile, 100 k tiles, a tiny partial: more splits are nearly free until the 132 slots are full
     s, cost = partials_split(kk, 1, 100, 64, 2)
@@ -379,7 +342,7 @@ def test_split_cost_counts_waves_and_partials():
 def test_split_estimate_is_the_kernels_cost():
     p = _problem("bwd_weight", 32, 256, 64, (56, 56), (1, 1), pad=0)
     kk = key("bwd_weight", 2, (64, 64, 64))
-    s, units, cost, _ = _split(32, 256, 64, (56, 56), (1, 1), (64, 64, 64))
+    s, units, cost = _split(32, 256, 64, (56, 56), (1, 1), (64, 64, 64))
     assert estimated_cost(p, kk) == pytest.approx(cost * 64 * 64 * 64 / min(1.0, 32 / 96) * rules.cost_factor(kk))
 
 

@@ -35,7 +35,7 @@ def estimated_cost(problem, key) -> float:
     knee = rules.backend_rules(key.backend).get("selection", {}).get("intensity_knee", 64.0)
     efficiency = min(1.0, (tm * tn / (tm + tn)) / knee)
     if rules.runtime_split(key).get("over") == "partials":  # persistent split-K: the kernel's own cost model
-        steps = conv_partials_split(problem, key)[3]
+        _, _, _, steps = conv_partials_split(problem, key)
         return steps * tm * tn * tk * resident_ctas(key) / efficiency * rules.cost_factor(key)
     m, n, k, batch = gemm_view(problem, key)
     units = compute_units(key.backend, key.arch)
@@ -64,32 +64,22 @@ def _runtime_split(key, output_tiles: int, k: int, units: int) -> int:
     return math.ceil(ktiles / per)
 
 
-def conv_partials_split(problem, key) -> tuple[int, int, int, float, int]:
-    """(S, output tiles, k tiles, cost, workers) of a tma_ws_conv bwd_weight kernel on a conv problem: its tiles
-    of the (K, taps x C) output, the k tiles of its pixel sum and one partial of (K rounded up to the tile) x
-    taps x C; workers > 0 for the balanced deal (partials_split)."""
+def conv_partials_split(problem, key) -> tuple[int, int, int, float]:
+    """(S, output tiles, k tiles, cost) of a tma_ws_conv bwd_weight kernel on a conv problem: its tiles of the
+    (K, taps x C) output, the k tiles of its pixel sum and one partial of (K rounded up to the tile) x taps x C."""
     m, n, k, _ = gemm_view(problem, key)
     tm, tn, tk = key.algorithm.tile
     tiles, ktiles = math.ceil(m / tm) * math.ceil(n / tn), math.ceil(k / tk)
     partial = _round_up(m, tm) * (problem.c // problem.g) * math.prod(problem.filter_size)
-    s, cost, workers = partials_plan(key, tiles, ktiles, partial, int(rules.runtime_split(key)["epilogue_ktiles"]))
-    return s, tiles, ktiles, cost, workers
+    s, cost = partials_split(key, tiles, ktiles, partial, int(rules.runtime_split(key)["epilogue_ktiles"]))
+    return s, tiles, ktiles, cost
 
 
 def partials_split(key, tiles: int, ktiles: int, partial_elems: int, epilogue_ktiles: int) -> tuple[int, float]:
-    """(S, cost) of partials_plan."""
-    s, cost, _ = partials_plan(key, tiles, ktiles, partial_elems, epilogue_ktiles)
-    return s, cost
-
-
-def partials_plan(key, tiles: int, ktiles: int, partial_elems: int, epilogue_ktiles: int) -> tuple[int, float, int]:
-    """(S, cost, workers) of a persistent split-K kernel writing S fp32 partial slots per tile
-    (templates/cutlass/_conv_sm90_wgrad.j2, choose_splits, the same rule). Equal splits: S in [1, max(1, slots /
-    tiles)] (one wave of units) minimizing (k tiles per unit + epilogue) + S x (one partial written and summed),
-    in k tiles of one CTA's main loop; ties keep the fewer splits; the cost counts the waves of an unsplit kernel
-    with more tiles than resident CTAs; workers 0. With fewer tiles than slots, the balanced deal (all tiles' k
-    tiles in one line, cut into `slots` equal shares) wins when cheaper: its share + two epilogues + its slots'
-    partials (S = the most CTAs sharing one tile); workers = slots."""
+    """(S, cost) of a persistent split-K kernel writing S fp32 partials (templates/cutlass/_conv_sm90_wgrad.j2,
+    choose_splits, the same rule): S in [1, max(1, slots / tiles)] (one wave of units) minimizing (k tiles per
+    unit + epilogue) + S x (one partial written and summed), in k tiles of one CTA's main loop; ties keep the
+    fewer splits. The cost counts the waves of an unsplit kernel with more tiles than resident CTAs."""
     tm, tn, tk = key.algorithm.tile
     occupancy = resident_ctas(key)
     slots = compute_units(key.backend, key.arch) * occupancy
@@ -100,26 +90,8 @@ def partials_plan(key, tiles: int, ktiles: int, partial_elems: int, epilogue_kti
         cost = (math.ceil(ktiles / s) + epilogue_ktiles) + s * partial
         if s == 1 or cost < best_cost:
             best, best_cost = s, cost
-    total = tiles * ktiles
-    if tiles < slots and total >= slots:
-        dealt = deal_slots(tiles, ktiles, slots)
-        dealt_cost = (math.ceil(total / slots) + 2 * epilogue_ktiles) + dealt * partial
-        if dealt_cost < best_cost:
-            return dealt, dealt_cost, slots
     waves = math.ceil(tiles * best / slots)
-    return best, best_cost + (waves - 1) * (math.ceil(ktiles / best) + epilogue_ktiles), 0
-
-
-def worker_of(x: int, total: int, workers: int) -> int:
-    """The CTA of the balanced deal whose share [c * total / workers, (c + 1) * total / workers) holds k tile x."""
-    return ((x + 1) * workers + total - 1) // total - 1
-
-
-def deal_slots(tiles: int, ktiles: int, workers: int) -> int:
-    """Partial slots the balanced deal needs: the most CTAs sharing one tile."""
-    total = tiles * ktiles
-    return max(worker_of((t + 1) * ktiles - 1, total, workers) - worker_of(t * ktiles, total, workers) + 1
-               for t in range(tiles))
+    return best, best_cost + (waves - 1) * (math.ceil(ktiles / best) + epilogue_ktiles)
 
 
 def analytic(problem, kernels) -> list:
