@@ -187,6 +187,8 @@ def test_two_consumer_bwd_weight_keeps_its_split_body():
     assert "cutlass::epilogue::NoSmemWarpSpecialized" in text
     assert "pipeline_params.num_consumers = MMA_THREADS;" in text
     assert "mainloop.mma(pipeline, mma_state, acc, count, mma_thread," in text
+    assert "warpgroup_reg_alloc<CONSUMER_REGISTERS>" in text  # the producer's registers to both consumers
+    assert "warpgroup_reg_alloc" not in codegen.render(key("bwd_weight", 1, (128, 128, 64)))
     assert "_conv_sm90_consumers.j2" not in cutlass.templates(k)
 
 
