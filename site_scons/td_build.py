@@ -6,18 +6,27 @@ Build identity (what makes a kernel rebuild) is exactly:
   compile: the rendered source, the ABI header, the compile flags and the toolchain identity
            (compiler version, third-party header versions) through the action's varlist.
 Change any of them and exactly the affected kernels rebuild; change none and nothing does.
+
+The CacheDir holds compiled kernels only (rendering is cheap, so sources are rendered, never fetched), each
+with a record of its sha256 written before the entry is published; a fetched entry that does not match its
+record, or has none, is removed, reported and rebuilt, so a truncated or altered cache file never reaches a
+bundle. The record detects corruption and stray edits; whoever can write the cache can also rewrite records.
 """
 from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
+import SCons.Action
 import SCons.CacheDir
+import SCons.Errors
 import SCons.Util
 from SCons.Script import Action, Builder
 
@@ -27,6 +36,8 @@ from tiledispatch.spec.key import KernelKey
 
 RUNTIME_PKG = Path(abi.__file__).resolve().parent
 GENERATOR_DIRS = ("spec", "codegen")
+RECORD_SUFFIX = ".sha256"   # a cache entry's record: the sha256 of its bytes when it was stored
+RESERVED_NAMES = ("src", "lib", "check")  # build_dir's own subdirectories
 
 
 class Progress:
@@ -58,7 +69,8 @@ PROGRESS = Progress()
 
 class KernelCacheDir(SCons.CacheDir.CacheDir):
     """CacheDir keyed on the inputs, the action and the file name, not on the build directory, so a
-    fresh build_dir (or a fresh checkout) fetches every unchanged kernel from a warm cache."""
+    fresh build_dir (or a fresh checkout) fetches every unchanged kernel from a warm cache. Entries are
+    verified against their records when fetched (see the module docstring)."""
 
     def cachepath(self, node):
         if not self.is_enabled():
@@ -75,9 +87,90 @@ class KernelCacheDir(SCons.CacheDir.CacheDir):
         if SCons.CacheDir.CacheRetrieveSilent(node, [], node.get_build_env(), execute=1) != 0:
             return False
         name, suffix = os.path.splitext(node.name)
+        if SCons.Action.execute_actions:  # (nothing was copied under -n)
+            _, cachefile = self.cachepath(node)
+            problem = _entry_problem(cachefile, node.get_abspath())
+            if problem:
+                for path in (node.get_abspath(), cachefile, cachefile + RECORD_SUFFIX):
+                    _unlink(path)
+                print(f"tiledispatch: cache entry of {name} {problem}: removed it; rebuilding", flush=True)
+                return False
         if suffix in (".so", ".check"):  # a compiled kernel or a check stamp: our own line instead of SCons's
             PROGRESS.record("cached", name)
         return True
+
+    def push(self, node):
+        if self.is_readonly() or not self.is_enabled() or node.nocache:
+            return
+        cachedir, cachefile = self.cachepath(node)
+        if os.path.isfile(cachefile) and os.path.isfile(cachefile + RECORD_SUFFIX):
+            return  # stored meanwhile by a concurrent build
+        try:
+            os.makedirs(cachedir, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=cachedir) as tmp:
+                entry, record = os.path.join(tmp, "entry"), os.path.join(tmp, "record")
+                shutil.copy2(node.get_abspath(), entry)
+                with open(record, "w") as f:
+                    f.write(bundle.sha256_file(entry) + "\n")
+                os.replace(record, cachefile + RECORD_SUFFIX)  # the record first: no entry is visible without one
+                os.replace(entry, cachefile)
+        except OSError as e:  # the build is complete without the cache; say so and go on
+            print(f"tiledispatch: warning: {os.path.splitext(node.name)[0]} was not stored in the cache: {e}",
+                  flush=True)
+
+
+def _entry_problem(cachefile: str, fetched: str) -> str | None:
+    """Why the fetched copy of a cache entry cannot be trusted, or None when it matches its record."""
+    if os.path.islink(cachefile):
+        return "is a symbolic link"
+    record = _read_record(cachefile + RECORD_SUFFIX)
+    if record is None:
+        return "has no recorded sha256"
+    if bundle.sha256_file(fetched) != record:
+        return "does not match the sha256 recorded when it was stored"
+    return None
+
+
+def _read_record(path: str) -> str | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return None
+        text = f.read(80).decode("ascii", "replace").strip()
+    return text if len(text) == 64 and all(c in "0123456789abcdef" for c in text) else None
+
+
+def use_cache_dir(env, path: str) -> str | None:
+    """Point env at the kernel cache in path, creating it and its parents; why it cannot be used, or None."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # SCons creates only the last level
+        env.CacheDir(path, custom_class=KernelCacheDir)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".probe")  # writable? (root passes any permission check)
+        os.close(fd)
+        os.unlink(probe)
+    except (OSError, SCons.Errors.SConsEnvironmentError, SCons.Util.SConsLockFailure) as e:
+        cause = e if isinstance(e, OSError) else (e.__cause__ or e)
+        if isinstance(cause, OSError) and cause.strerror:
+            reason = cause.strerror + (f" ({cause.filename})" if cause.filename else "")
+        else:
+            reason = str(cause)
+        return (f"cache_dir {path} cannot be used: {reason}; give a writable directory, or cache_dir=none "
+                "to build without a cache")
+    return None
+
+
+def bundle_name_problem(name: str) -> str | None:
+    """Why name cannot be a bundle's directory under build_dir, or None: it must be a plain name."""
+    if not name:
+        return "is empty"
+    if name in (".", "..") or "/" in name or (os.altsep and os.altsep in name) or "\0" in name:
+        return "must be a plain name under build_dir, not a path"
+    if name in RESERVED_NAMES:
+        return f"is reserved for build_dir/{name}"
+    return None
 
 
 def _render_action(target, source, env):
@@ -174,6 +267,7 @@ def add_kernels(env, entries, *, backend_name: str, mode: str, build_dir: str, t
         key = entry.key
         src = env.TdRender(f"{build_dir}/src/{codegen.source_name(key)}", env.Value(key.to_json()),
                            TD_TEMPLATES_ROOT=templates_root)
+        env.NoCache(src)  # rendered, never fetched: only compiled kernels are cached (and verified)
         env.Depends(src, [str(p) for p in codegen.template_files(key, Path(templates_root))] + gen_files)
         suffix = ".check" if mode == "check" else ".so"
         lib = env.TdCompile(f"{build_dir}/{'check' if mode == 'check' else 'lib'}/{key.name}{suffix}", src,
@@ -194,6 +288,7 @@ def add_bundle(env, entries, libs, *, bundle_dir: str, backend_name: str, arch: 
                             TD_TOOLCHAIN_INFO={"backend": backend_name, "identity": toolchain_identity,
                                                "python": sys.version.split()[0]})
     env.NoCache(installed + manifest)
+    env.Precious(manifest)  # the old manifest names the kernel files a rebuild may delete (written atomically)
     return manifest
 
 

@@ -14,6 +14,35 @@ REPO = Path(__file__).resolve().parents[1]
 # tests never read or write the user's tuning records (tests of tuning pass their own cache)
 os.environ["TD_TUNING_CACHE"] = "none"
 BUILD_INPUTS = ("SConstruct", "site_scons", "runtime", "templates", "preselected", "kernel_specs")
+# One scons cache for the bundles that fixtures build from the checkout (set by kernel_cache below): a kernel
+# that several test bundles hold compiles once per session. Tests of caching pass their own.
+SESSION = {}
+CPU_GEMM_SETS = ("fp16_rcr_essential", "bf16_rcr_essential", "fp32_rcr_essential", "int8_rcr_essential",
+                 "fp16_all_layouts", "fp16_rcr_fused")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kernel_cache(tmp_path_factory, request):
+    cache = SESSION["cache_dir"] = tmp_path_factory.mktemp("kernel_cache")
+    if any("gemm_bundle" in item.fixturenames for item in request.session.items):
+        # Compile the preselected GEMM kernels into the cache in the background, at low priority, while the
+        # tests before gemm_bundle's first user run: those are mostly serial and leave a core idle.
+        SESSION["prebuild"] = subprocess.Popen(
+            [sys.executable, "-m", "SCons", "-Q", "-C", str(REPO), f"kernels={','.join(CPU_GEMM_SETS)}",
+             "backend=cpu", f"build_dir={tmp_path_factory.mktemp('prebuild')}", f"cache_dir={cache}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+            preexec_fn=lambda: os.nice(10))
+    yield cache
+    if "prebuild" in SESSION:
+        SESSION["prebuild"].kill()
+        SESSION["prebuild"].wait()
+
+
+def wait_for_prebuild() -> None:
+    """Let the background compile of the GEMM kernels finish (its errors surface in the build that follows)."""
+    prebuild = SESSION.get("prebuild")
+    if prebuild is not None:
+        prebuild.wait()
 
 
 def copy_repo(dest: Path) -> Path:
@@ -79,27 +108,27 @@ def compiled_names(proc: subprocess.CompletedProcess) -> set[str]:
     return set(re.findall(r"\] compiled (\S+)", proc.stdout))
 
 
-CPU_GEMM_SETS = ("fp16_rcr_essential", "bf16_rcr_essential", "fp32_rcr_essential", "int8_rcr_essential",
-                 "fp16_all_layouts", "fp16_rcr_fused")
-
 
 def build_cpu_bundle(build: Path, name: str, set_text: str, *more_sets: str):
     """Write set_text as kernel set `name` in build, build it (with more_sets) for the cpu backend into
-    build/name and load the bundle."""
+    build/name, through the session's kernel cache, and load the bundle."""
     import tiledispatch as td
     from tiledispatch.backends import cpu
 
     spec = build / f"{name}.yaml"
     spec.write_text(set_text)
+    if set(more_sets) & set(CPU_GEMM_SETS):
+        wait_for_prebuild()
     scons(REPO, f"kernels={','.join((*more_sets, str(spec)))}", "backend=cpu", f"arch={cpu.detect_arch()}",
-          f"build_dir={build}", f"cache_dir={build / 'cache'}", f"bundle={name}")
+          f"build_dir={build}", f"cache_dir={SESSION.get('cache_dir', build / 'cache')}", f"bundle={name}")
     return td.load(build / name)
 
 
 @pytest.fixture(scope="session")
-def gemm_bundle(tmp_path_factory) -> Path:
+def gemm_bundle(tmp_path_factory, kernel_cache) -> Path:
     """One cpu bundle holding every kernel of every preselected GEMM set."""
     build = tmp_path_factory.mktemp("gemm_build")
+    wait_for_prebuild()
     scons(REPO, f"kernels={','.join(CPU_GEMM_SETS)}", "backend=cpu", f"build_dir={build}",
-          f"cache_dir={build / 'cache'}", "bundle=all")
+          f"cache_dir={kernel_cache}", "bundle=all")
     return build / "all"

@@ -71,6 +71,7 @@ def test_build_incremental_and_cached(repo):
     assert s["compiled"] == 0 and s["cached"] == 3, fresh.stdout
 
 
+@pytest.mark.slow
 def test_compiler_flags_enter_the_build_identity(repo):
     build(repo)
     rules = repo / "runtime" / "tiledispatch" / "backends" / "cpu.py"

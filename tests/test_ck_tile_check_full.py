@@ -1,5 +1,8 @@
 """The full ck_tile compile check, as CI runs it: `scons ... backend=ck_tile check=1` over every
 preselected set with ck_tile kernels, for each arch. A front-end and IR-generation check, not a build."""
+import os
+from pathlib import Path
+
 import pytest
 
 from conftest import REPO, scons, summary
@@ -28,8 +31,11 @@ def test_every_preselected_ck_tile_kernel_passes_the_check(toolchain, arch, tmp_
     sets = sets_for(arch)
     assert sets, f"no preselected set has ck_tile kernels for {arch}"
     expected = len(kernelset.load(sets, "ck_tile", arch))
+    # the results are cached with the check's tools when TD_CK_CHECK_DIR names them (CI keeps that folder
+    # between runs and may run the tests with an empty HOME), else in the default cache
+    cache = [f"cache_dir={Path(os.environ['TD_CK_CHECK_DIR']) / 'scons'}"] if os.environ.get("TD_CK_CHECK_DIR") else []
     proc = scons(REPO, f"kernels={','.join(sets)}", "backend=ck_tile", f"arch={arch}", "check=1",
-                 f"build_dir={tmp_path}", check=False)
+                 f"build_dir={tmp_path}", *cache, check=False)
     counts = summary(proc)
     assert proc.returncode == 0 and counts["failed"] == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     assert counts["total"] == expected and counts["compiled"] + counts["cached"] + counts["up_to_date"] == expected

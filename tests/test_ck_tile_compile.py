@@ -22,7 +22,8 @@ try:
 except RuntimeError as e:
     TOOLCHAIN, WHY = None, str(e)
 
-pytestmark = pytest.mark.skipif(TOOLCHAIN is None, reason=f"ck_tile compile-check toolchain missing: {WHY}")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(TOOLCHAIN is None, reason=f"ck_tile compile-check toolchain missing: {WHY}")]
 
 # One of each compiler (clang-19 for gfx90a/gfx942, zig's clang 22 for gfx950), pipeline and kernel family.
 SAMPLE = [

@@ -101,6 +101,7 @@ MATRIX = [(d, r, t, "packed", k) for d, r, t, k in itertools.product(DIRECTIONS,
 MATRIX += [(d, r, t, "direct", k) for d, r, t, k in itertools.product(DIRECTIONS, (1, 2, 3), DTYPES, DIRECT_KINDS)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("direction,rank,dtype,pipeline,kind", MATRIX)
 def test_matches_reference(conv_registry, direction, rank, dtype, pipeline, kind):
     kern = test_kernel_for(conv_registry, direction, rank, dtype, pipeline)
@@ -115,6 +116,7 @@ def test_matches_reference(conv_registry, direction, rank, dtype, pipeline, kind
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("direction,rank", list(itertools.product(DIRECTIONS, (1, 2, 3))))
 @pytest.mark.parametrize("dtype,pipeline", (("fp32", "packed"), ("bf16", "packed"), ("fp16", "direct")))
 def test_alpha_beta(conv_registry, direction, rank, dtype, pipeline):
@@ -129,6 +131,7 @@ def test_alpha_beta(conv_registry, direction, rank, dtype, pipeline):
     assert validation.compare(out, 0.75 * expect - 1.25 * old, kern.key)["passed"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_essential_kernels(conv_registry, direction):
     """Every kernel of conv_fp16_all_essential, on problems that span several of its (large) blocks."""
@@ -151,6 +154,7 @@ def test_essential_kernels(conv_registry, direction):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.slow
 def test_selection_picks_a_matching_kernel(conv_registry):
     rng = np.random.default_rng(3)
     p, data, expect = make_case(rng, "bwd_weight", 2, "g16", "s2d1", "fp16")
@@ -160,6 +164,7 @@ def test_selection_picks_a_matching_kernel(conv_registry):
     assert validation.compare(out, expect, kern.key)["passed"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_strided_views(conv_registry, direction):
     """Operands that are slices of larger arrays (non-dense strides, unit channel stride) are used in place."""
@@ -176,6 +181,7 @@ def test_strided_views(conv_registry, direction):
     assert validation.compare(np.ascontiguousarray(out), expect, kern.key)["passed"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("direction", DIRECTIONS)
 @pytest.mark.parametrize("rank", (1, 2, 3))
 def test_logical_channels_last_form(conv_registry, direction, rank):
@@ -205,6 +211,7 @@ def test_logical_channels_last_form(conv_registry, direction, rank):
     assert validation.compare(explicit, expect, kern.key)["passed"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pipeline,kind", (("packed", "dense"), ("direct", "g4")))
 def test_bwd_weight_is_independent_of_the_thread_count(conv_registry, pipeline, kind):
     """The split reduction adds its slices in a fixed order: 1 and 3 threads give the same bits."""
@@ -216,6 +223,7 @@ def test_bwd_weight_is_independent_of_the_thread_count(conv_registry, pipeline, 
     assert np.array_equal(one, three)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_direct_kernels_decline_wide_groups(conv_registry, direction):
     """A direct kernel says why it does not take C/G = 64, K/G = 20 (a packed kernel does)."""
@@ -262,6 +270,7 @@ def test_problem_sizes_and_signature_match():
     assert p.gemm_shape(direct) == (10, 6, 36, 1)  # all groups' channels as one GEMM's columns
 
 
+@pytest.mark.slow
 def test_entry_points_reject_bad_arrays(conv_registry):
     x = np.ones((1, 6, 6, 2, 4), np.float32)
     w = np.ones((2, 3, 3, 3, 4), np.float32)
@@ -287,6 +296,7 @@ def test_entry_points_reject_bad_arrays(conv_registry):
         conv.fwd(conv_registry, x.astype(np.float64), w.astype(np.float64))
 
 
+@pytest.mark.slow
 def test_kernel_checks_the_abi_arguments(conv_registry):
     """td_can_run itself rejects what a caller bypassing the Python checks could pass, with a reason."""
     from tiledispatch import abi
@@ -355,6 +365,7 @@ def test_tiling_shapes_the_generated_code(direction):
     assert f"templates/cpu/conv_{direction}.cpp.j2" in src
 
 
+@pytest.mark.slow
 def test_run_takes_a_problem_and_a_dict_of_tensors(conv_registry):
     rng = np.random.default_rng(17)
     p, data, expect = make_case(rng, "bwd_data", 3, "g4", "s2d1", "fp32")
@@ -371,6 +382,7 @@ def test_run_takes_a_problem_and_a_dict_of_tensors(conv_registry):
         conv_registry.run(p, {"x": data["x"], "w": data["w"]})
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(ARCH == "generic", reason="the bundle's kernels already use the generic conversions")
 @pytest.mark.parametrize("direction,pipeline", (("fwd", "packed"), ("bwd_data", "direct")))
 def test_generic_arch_fp16_conversions(tmp_path, direction, pipeline):

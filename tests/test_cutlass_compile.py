@@ -15,7 +15,7 @@ from tiledispatch.spec.key import Algorithm, Epilogue, KernelKey, Signature
 
 cutlass = backends.get("cutlass")
 TOOLCHAIN, WHY = toolchain_or_reason(cutlass)
-pytestmark = pytest.mark.skipif(TOOLCHAIN is None, reason=f"cutlass toolchain missing: {WHY}")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(TOOLCHAIN is None, reason=f"cutlass toolchain missing: {WHY}")]
 
 # Fused epilogues exercise the most template code: bias, a residual, an activation / clamp.
 SM90 = KernelKey(Signature("gemm", "bf16", "bf16", "bf16", "fp32", "rcr", Epilogue("gelu_tanh", True, 1)),
@@ -55,7 +55,8 @@ def test_host_checks_without_a_device(libraries, key):
     args.num_tensors = 3
     status, reason = lib.can_run(args)
     assert status == abi.INVALID_ARGUMENT and "tensors" in reason
-    args = gemm_op.make_args(ok, key, clamp=(1.0, -1.0))
+    args = gemm_op.make_args(ok, key)
+    args.scalars[2], args.scalars[3] = 1.0, -1.0  # a C caller's inverted clamp (Python refuses it earlier)
     status, reason = lib.can_run(args)
     assert (status, "clamp" in reason) == ((abi.INVALID_ARGUMENT, True) if key.signature.epilogue.activation == "clamp"
                                            else (abi.OK, False))

@@ -15,7 +15,7 @@ from tiledispatch.spec.key import Algorithm, Epilogue, KernelKey, Signature
 
 cutlass = backends.get("cutlass")
 TOOLCHAIN, WHY = toolchain_or_reason(cutlass)
-pytestmark = pytest.mark.skipif(TOOLCHAIN is None, reason=f"cutlass toolchain missing: {WHY}")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(TOOLCHAIN is None, reason=f"cutlass toolchain missing: {WHY}")]
 
 DIRECT = KernelKey(Signature("conv", "fp16", "fp16", "fp16", "fp32", "nhwgc", Epilogue(), "fwd", 2),
                    Algorithm((16, 64, 8), "direct", (8, 1, 1), (4, 8, 1), "data_parallel", 1, (1, 1, 1), 0,

@@ -13,8 +13,8 @@ import conv_emulation as ce
 from tiledispatch import abi
 from tiledispatch.ops import conv
 
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None or ce.cuda_include() is None,
-                                reason="g++ or the CUDA headers (cuda_fp16.h) missing")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("g++") is None or ce.cuda_include() is None,
+                                                     reason="g++ or the CUDA headers (cuda_fp16.h) missing")]
 
 DIRECTIONS = ("fwd", "bwd_data", "bwd_weight")
 DIRECT_TILE = {1: (32, 16, 1), 2: (8, 16, 4), 3: (8, 16, 2)}

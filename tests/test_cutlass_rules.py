@@ -114,6 +114,7 @@ def preselected_cutlass_keys() -> list[KernelKey]:
     return list(keys.values())
 
 
+@pytest.mark.slow
 def test_every_preselected_cutlass_kernel_renders():
     keys = preselected_cutlass_keys()
     assert len(keys) >= 40

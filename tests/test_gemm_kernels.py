@@ -32,6 +32,7 @@ def shapes_for(name: str):
     return [(1, 1, 1)] + draws
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n, _ in KERNELS])
 def test_kernel_matches_reference(registry, name):
     key = registry.kernel(name).key

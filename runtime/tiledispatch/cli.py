@@ -1,53 +1,248 @@
-"""python -m tiledispatch {list, info, select, run, bench} BUNDLE ... : every command prints JSON.
+"""python -m tiledispatch {list, info, select, run, bench} BUNDLE [gemm | conv ...]: every command prints
+one JSON object (standard JSON: a non-finite number prints as null).
 
-Exit status: 0 success, 1 validation failed, 2 error (the JSON says which).
+Exit status: 0 success; 1 validation failed (run --validate); 2 any error, printed as
+{"status": "error", "error": TYPE, "message": ...}; 141 (128 + SIGPIPE, as a shell reports for a tool
+killed by a closed pipe) when stdout is closed before everything was written, e.g. `... | head -1`: the
+rest is dropped without a message.
+
+run and bench choose the kernel (asking its td_can_run, without data) and check the inputs' size against
+the memory available (and --max-bytes) before allocating any input.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import statistics
 import sys
 import time
 
 import numpy as np
 
-from . import errors, learned, reference, registry as registry_mod, selection, validation
+from . import errors, learned, registry as registry_mod, selection, validation
+from .ops import conv as conv_op
 from .ops import gemm as gemm_op
+from .spec.dtypes import DTYPES, dtype
 from .spec.key import ACTIVATIONS
+
+EXIT_ERROR, EXIT_FAILED, EXIT_BROKEN_PIPE = 2, 1, 141
+
+
+class UsageError(Exception):
+    """The command line itself is wrong (argparse's complaint)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # a GEMM option (--m) on a conv is no prefix of --max-bytes
+        super().__init__(*args, **kwargs)
+
+    def error(self, message):  # argparse prints usage and exits 2; the CLI's errors are JSON
+        raise UsageError(f"{self.prog}: {message}")
+
+    def print_help(self, file=None):  # argparse ignores a failed write; a closed pipe must show (exit 141)
+        (file or sys.stdout).write(self.format_help())
+
+
+def _finite(obj):
+    """obj with every non-finite float replaced by None (JSON has no NaN or Infinity)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def _print(obj) -> None:
-    json.dump(obj, sys.stdout, indent=1)
-    sys.stdout.write("\n")
+    sys.stdout.write(json.dumps(_finite(obj), indent=1, allow_nan=False) + "\n")
 
 
-def _bundle_value(reg, what: str, given):
-    """A problem field the user did not give: the bundle's value if it has exactly one, else an error."""
+def _error(e: BaseException) -> dict:
+    return {"status": "error", "error": type(e).__name__, "message": str(e) or repr(e)}
+
+
+# -- problems ---------------------------------------------------------------------------------------
+def _bundle_value(kernels, what: str, given, flag: str):
+    """A problem field the user did not give: the value of the op's kernels if they have exactly one, else an error."""
     if given is not None:
         return given
-    values = sorted({getattr(k.key.signature, what) for k in reg.kernels})
+    values = sorted({getattr(k.key.signature, what) for k in kernels})
     if len(values) == 1:
         return values[0]
     raise errors.InvalidInputError(f"the bundle has kernels for several {what} values ({', '.join(map(str, values))}): "
-                                   f"give --{what.replace('dtype_a', 'dtype')}")
+                                   f"give {flag}")
 
 
-def _gemm_problem(reg, a: argparse.Namespace) -> gemm_op.GemmProblem:
-    dt = _bundle_value(reg, "dtype_a", a.dtype)
-    layout = _bundle_value(reg, "layout", a.layout)
-    dtype_c = next((k.key.signature.dtype_c for k in reg.kernels if k.key.signature.dtype_a == dt), dt)
+def _op_kernels(reg, op: str) -> list:
+    kernels = [k for k in reg.kernels if k.key.signature.op == op]
+    if not kernels:
+        raise errors.UnsupportedProblemError(f"the bundle has no {op} kernels (it has: {', '.join(sorted(reg.ops))})")
+    return kernels
+
+
+def _dtypes(kernels, given):
+    dt = _bundle_value(kernels, "dtype_a", given, "--dtype")
+    return dt, next((k.key.signature.dtype_c for k in kernels if k.key.signature.dtype_a == dt), dt)
+
+
+def _gemm_problem(reg, a) -> gemm_op.GemmProblem:
+    kernels = _op_kernels(reg, "gemm")
+    dt, dtype_c = _dtypes(kernels, a.dtype)
+    layout = _bundle_value(kernels, "layout", a.layout, "--layout")
     epi = gemm_op.Epilogue(a.activation, a.bias, a.residuals)
     return gemm_op.GemmProblem(a.m, a.n, a.k, dt, dt, dtype_c, layout, a.batch, epi)
 
 
-def _run_once(reg, p, data, kernel, scalars) -> float:
+def _per_dim(values, name: str, rank: int):
+    """One value for every spatial dim, or one per dim."""
+    if values is None or len(values) == 1:
+        return values[0] if values else None
+    if len(values) != rank:
+        raise errors.InvalidInputError(f"--{name} takes 1 or {rank} values (one per spatial dim of --in), "
+                                       f"got {len(values)}")
+    return tuple(values)
+
+
+def _conv_problem(reg, a) -> conv_op.ConvProblem:
+    kernels = _op_kernels(reg, "conv")
+    dt, dtype_y = _dtypes(kernels, a.dtype)
+    layout = _bundle_value(kernels, "layout", a.layout, "--layout")
+    rank = len(a.in_size)
+    if a.padding is not None and (a.pad_lo is not None or a.pad_hi is not None):
+        raise errors.InvalidInputError("give either --padding (both sides) or --pad-lo / --pad-hi, not both")
+    if a.padding is not None:
+        lo = hi = _per_dim(a.padding, "padding", rank)
+    else:
+        lo, hi = _per_dim(a.pad_lo, "pad-lo", rank), _per_dim(a.pad_hi, "pad-hi", rank)
+    if len(a.filter) != rank:
+        raise errors.InvalidInputError(f"--filter has {len(a.filter)} sizes, --in {rank}: give one per spatial dim")
+    return conv_op.ConvProblem(a.direction, a.n, a.groups, a.c, a.k, tuple(a.in_size), tuple(a.filter),
+                               _per_dim(a.stride, "stride", rank), _per_dim(a.dilation, "dilation", rank),
+                               0 if lo is None else lo, 0 if hi is None else hi, dt, dt, dtype_y, layout)
+
+
+def _problem(reg, a):
+    return _gemm_problem(reg, a) if a.op == "gemm" else _conv_problem(reg, a)
+
+
+# -- inputs: sized before they are allocated ---------------------------------------------------------
+def _arrays(p) -> list[tuple[int, str, bool]]:
+    """(elements, dtype, written) of every array the CLI allocates for p."""
+    if p.op == "gemm":
+        out = p.batch * p.m * p.n
+        arrays = [(p.batch * p.m * p.k, p.dtype_a, False), (p.batch * p.k * p.n, p.dtype_b, False),
+                  (out, p.dtype_c, True)] + [(out, p.dtype_c, False)] * p.epilogue.residuals
+        return arrays + ([(p.n, p.dtype_c, False)] if p.epilogue.bias else [])
+    shapes, written = p.shapes(), conv_op.WRITES[p.direction]
+    dtypes = {"x": p.dtype_x, "w": p.dtype_w, "y": p.dtype_y}
+    return [(math.prod(shapes[r]), dtypes[r], r == written) for r in ("x", "w", "y")]
+
+
+def _host_bytes(p, validate: bool) -> int:
+    """An upper estimate of the host memory run / bench need: the arrays, the float64 temporaries that
+    generate the largest one and, with --validate, float64 copies of the inputs, the reference and the
+    comparison's temporaries."""
+    arrays = _arrays(p)
+    need = sum(n * dtype(dt).itemsize for n, dt, _ in arrays) + 24 * max(n for n, _, _ in arrays)
+    if validate:
+        need += 16 * sum(n for n, _, written in arrays if not written) + 48 * sum(n for n, _, w in arrays if w)
+    return need
+
+
+def _available_bytes():
+    """The memory available now, or None when the system does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} bytes"
+
+
+def _check_size(p, a) -> None:
+    validate = getattr(a, "validate", False)
+    need = _host_bytes(p, validate)
+    limits = [(a.max_bytes, f"--max-bytes {a.max_bytes}")] if a.max_bytes is not None else []
+    available = _available_bytes()
+    if available is not None:
+        limits.append((available, f"the {_size(available)} available now"))
+    for limit, what in limits:
+        if need > limit:
+            raise errors.InvalidInputError(f"{p} needs about {_size(need)} of host memory for its inputs"
+                                           f"{' and the float64 reference' if validate else ''}, more than {what}: "
+                                           f"refused before allocating anything")
+
+
+def _inputs(p, a) -> dict:
+    _check_size(p, a)
+    rng = np.random.default_rng(a.seed)
+    return validation.gemm_inputs(p, rng) if p.op == "gemm" else validation.conv_inputs(p, rng)
+
+
+def _kernel(reg, p, a):
+    """The kernel to run: the one named by --kernel, if its td_can_run accepts the problem, else the selected one."""
+    if not a.kernel:
+        return reg.select(p, a.ranker)
+    kern = reg.kernel(a.kernel)
+    reason = next(r for k, r in reg.explain(p) if k is kern)
+    if reason is not None:
+        raise errors.UnsupportedProblemError(f"kernel {kern.name} cannot run {p}: {reason}")
+    return kern
+
+
+# -- launching --------------------------------------------------------------------------------------
+def _launch(reg, p, data, kernel, a) -> float:
+    """One launch of kernel on data; milliseconds."""
     start = time.perf_counter()
-    reg.gemm(data["a"], data["b"], data["out"], bias=data["bias"], residuals=data["residuals"],
-             activation=p.epilogue.activation, kernel=kernel, **scalars)
+    if p.op == "gemm":
+        reg.gemm(data["a"], data["b"], data["out"], bias=data["bias"], residuals=data["residuals"],
+                 activation=p.epilogue.activation, kernel=kernel, alpha=a.alpha, beta=0.0,
+                 clamp=(a.clamp_low, a.clamp_high))
+    else:
+        geo = {"stride": p.stride, "dilation": p.dilation, "pad_lo": p.pad_lo, "pad_hi": p.pad_hi}
+        if p.direction == "fwd":
+            reg.conv_fwd(data["x"], data["w"], data["y"], kernel=kernel, alpha=a.alpha, **geo)
+        elif p.direction == "bwd_data":
+            reg.conv_bwd_data(data["y"], data["w"], data["x"], kernel=kernel, alpha=a.alpha, **geo)
+        else:
+            reg.conv_bwd_weight(data["x"], data["y"], data["w"], kernel=kernel, alpha=a.alpha, **geo)
     return (time.perf_counter() - start) * 1e3
 
 
+def _reference(p, data, a):
+    from . import reference
+
+    if p.op == "gemm":
+        return reference.gemm(data["a"], data["b"], None, data["bias"], data["residuals"], a.alpha, 0.0,
+                              p.epilogue.activation, (a.clamp_low, a.clamp_high))
+    return a.alpha * validation.conv_reference(p, data)
+
+
+def _written(p, data):
+    return data["out"] if p.op == "gemm" else data[conv_op.WRITES[p.direction]]
+
+
+def _gflops(p, ms: float):
+    return p.flops() / ms / 1e6 if ms > 0 else None
+
+
+# -- commands ---------------------------------------------------------------------------------------
 def cmd_list(reg, a) -> int:
     _print({"backend": reg.backend, "arch": reg.arch, "kernels": [k.name for k in reg.kernels]})
     return 0
@@ -66,53 +261,115 @@ def cmd_info(reg, a) -> int:
 
 
 def cmd_select(reg, a) -> int:
-    p = _gemm_problem(reg, a)
+    p = _problem(reg, a)
     explained = reg.explain(p)
     fits = [k for k, r in explained if r is None]
-    ranked = selection.RANKERS["learned" if a.ranker == "auto" else a.ranker](p, fits)
-    selected = reg.select(p, a.ranker).name if ranked else None  # auto: a tuning record may override
-    _print({"problem": p.to_dict(), "selected": selected,
-            "ranked": [{"kernel": k.name, "estimated_cost": selection.estimated_cost(p, k.key)} for k in ranked],
-            "rejected": {k.name: r for k, r in explained if r is not None}})
-    return 0 if ranked else 2
+    ranked = selection.RANKERS["learned" if a.ranker == "auto" else a.ranker](p, fits) if fits else []
+    result = {"problem": p.to_dict(), "selected": None,
+              "ranked": [{"kernel": k.name, "estimated_cost": selection.estimated_cost(p, k.key)} for k in ranked],
+              "rejected": {k.name: r for k, r in explained if r is not None}}
+    try:
+        result["selected"] = reg.select(p, a.ranker).name  # auto: a tuning record may override the ranking
+    except errors.UnsupportedProblemError as e:  # no kernel: an error object that still lists the reasons
+        result = {**_error(e), **result}
+    _print(result)
+    return EXIT_ERROR if result["selected"] is None else 0
 
 
 def cmd_run(reg, a) -> int:
-    p = _gemm_problem(reg, a)
-    data = validation.gemm_inputs(p, np.random.default_rng(a.seed))
-    scalars = {"alpha": a.alpha, "beta": 0.0, "clamp": (a.clamp_low, a.clamp_high)}
-    kernel = reg.kernel(a.kernel) if a.kernel else reg.select(p, a.ranker)
-    ms = _run_once(reg, p, data, kernel, scalars)
+    p = _problem(reg, a)
+    kernel = _kernel(reg, p, a)
+    data = _inputs(p, a)
+    ms = _launch(reg, p, data, kernel, a)
     result = {"problem": p.to_dict(), "kernel": kernel.name,
-              "execution": {"time_ms": ms, "gflops": p.flops() / ms / 1e6}, "status": "success"}
+              "execution": {"time_ms": ms, "gflops": _gflops(p, ms)}, "status": "success"}
     if a.validate:
-        ref = reference.gemm(data["a"], data["b"], None, data["bias"], data["residuals"], a.alpha, 0.0,
-                             p.epilogue.activation, (a.clamp_low, a.clamp_high))
-        result["validation"] = validation.compare(data["out"], ref, kernel.key)
+        result["validation"] = validation.compare(_written(p, data), _reference(p, data, a), kernel.key)
         if not result["validation"]["passed"]:
             result["status"] = "failed"
     _print(result)
-    return 0 if result["status"] == "success" else 1
+    return 0 if result["status"] == "success" else EXIT_FAILED
 
 
 def cmd_bench(reg, a) -> int:
-    p = _gemm_problem(reg, a)
-    data = validation.gemm_inputs(p, np.random.default_rng(a.seed))
-    scalars = {"alpha": 1.0, "beta": 0.0, "clamp": (a.clamp_low, a.clamp_high)}
+    p = _problem(reg, a)
     selected = reg.select(p, a.ranker)
+    candidates = reg.candidates(p)
+    data = _inputs(p, a)
     rows = []
-    for k in reg.candidates(p):
+    for k in candidates:
         for _ in range(a.warmup):
-            _run_once(reg, p, data, k, scalars)
-        ms = statistics.median(_run_once(reg, p, data, k, scalars) for _ in range(a.repeat))
-        rows.append({"kernel": k.name, "median_ms": ms, "gflops": p.flops() / ms / 1e6, "selected": k is selected})
+            _launch(reg, p, data, k, a)
+        ms = statistics.median(_launch(reg, p, data, k, a) for _ in range(a.repeat))
+        rows.append({"kernel": k.name, "median_ms": ms, "gflops": _gflops(p, ms), "selected": k is selected})
     rows.sort(key=lambda r: r["median_ms"])
     _print({"problem": p.to_dict(), "selected": selected.name, "results": rows})
     return 0
 
 
+# -- arguments --------------------------------------------------------------------------------------
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+def _common_options(sp, command: str) -> None:
+    """Options of every op."""
+    sp.add_argument("--dtype", choices=sorted(DTYPES), help="input dtype (default: the bundle's, when it has one)")
+    sp.add_argument("--alpha", type=float, default=1.0)
+    sp.add_argument("--ranker", choices=["auto", *sorted(selection.RANKERS)], default="auto",
+                    help="auto: this device's tuning record, else learned (a shipped model), else analytic")
+    sp.add_argument("--kernel", help="run this kernel instead of the selected one")
+    sp.add_argument("--seed", type=_at_least(0), default=0)
+    sp.add_argument("--max-bytes", type=_at_least(1),
+                    help="refuse problems whose inputs need more host memory (default: the memory available)")
+    if command == "run":
+        sp.add_argument("--validate", action="store_true", help="compare with a float64 numpy reference")
+    if command == "bench":
+        sp.add_argument("--warmup", type=_at_least(0), default=2)
+        sp.add_argument("--repeat", type=_at_least(1), default=10)
+
+
+def _op_parsers(sp, command: str) -> None:
+    ops = sp.add_subparsers(dest="op", required=True, metavar="{gemm,conv}")
+    g = ops.add_parser("gemm", help="D = act(alpha * A @ B + bias + residuals)")
+    for dim in ("m", "n", "k"):
+        g.add_argument(f"--{dim}", type=int, required=True)
+    g.add_argument("--batch", type=int, default=1)
+    g.add_argument("--layout", help="rcr, rrr, crr, ccr (default: the bundle's, when it has one)")
+    g.add_argument("--activation", choices=ACTIVATIONS, default="identity")
+    g.add_argument("--bias", action="store_true")
+    g.add_argument("--residuals", type=_at_least(0), default=0)
+    g.add_argument("--clamp-low", type=float, default=-1.0)
+    g.add_argument("--clamp-high", type=float, default=1.0)
+    _common_options(g, command)
+
+    c = ops.add_parser("conv", help="grouped convolution, channels-last with an explicit group axis")
+    c.add_argument("--direction", choices=conv_op.CONV_DIRECTIONS, required=True)
+    c.add_argument("--n", type=int, required=True, help="batch")
+    c.add_argument("--c", type=int, required=True, help="input channels (all groups)")
+    c.add_argument("--k", type=int, required=True, help="output channels (all groups)")
+    c.add_argument("--groups", type=int, default=1)
+    c.add_argument("--in", dest="in_size", type=int, nargs="+", required=True, metavar="SIZE",
+                   help="input spatial sizes, outermost first: W, H W or D H W")
+    c.add_argument("--filter", type=int, nargs="+", required=True, metavar="SIZE", help="filter sizes, one per dim")
+    c.add_argument("--stride", type=int, nargs="+", default=[1], metavar="S", help="one value or one per dim")
+    c.add_argument("--dilation", type=int, nargs="+", default=[1], metavar="D", help="one value or one per dim")
+    c.add_argument("--padding", type=int, nargs="+", metavar="P", help="both sides: one value or one per dim")
+    c.add_argument("--pad-lo", type=int, nargs="+", metavar="P", help="leading side (asymmetric padding)")
+    c.add_argument("--pad-hi", type=int, nargs="+", metavar="P", help="trailing side (asymmetric padding)")
+    c.add_argument("--layout", help="default: the bundle's (nhwgc)")
+    _common_options(c, command)
+
+
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m tiledispatch", description=__doc__)
+    ap = _Parser(prog="python -m tiledispatch", description=__doc__,
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     for name, fn, with_problem in (("list", cmd_list, False), ("info", cmd_info, False), ("select", cmd_select, True),
                                    ("run", cmd_run, True), ("bench", cmd_bench, True)):
@@ -121,37 +378,36 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("bundle", help="bundle directory (holds manifest.json)")
         if name == "info":
             sp.add_argument("--kernel", help="show one kernel's key")
-        if not with_problem:
-            continue
-        sp.add_argument("op", choices=["gemm"])
-        for dim in ("m", "n", "k"):
-            sp.add_argument(f"--{dim}", type=int, required=True)
-        sp.add_argument("--batch", type=int, default=1)
-        sp.add_argument("--dtype", help="input dtype (default: the bundle's, when it has one)")
-        sp.add_argument("--layout", help="rcr, rrr, crr, ccr (default: the bundle's, when it has one)")
-        sp.add_argument("--activation", choices=ACTIVATIONS, default="identity")
-        sp.add_argument("--bias", action="store_true")
-        sp.add_argument("--residuals", type=int, default=0)
-        sp.add_argument("--alpha", type=float, default=1.0)
-        sp.add_argument("--clamp-low", type=float, default=-1.0)
-        sp.add_argument("--clamp-high", type=float, default=1.0)
-        sp.add_argument("--ranker", choices=["auto", *sorted(selection.RANKERS)], default="auto",
-                        help="auto: this device's tuning record, else learned (a shipped model), else analytic")
-        sp.add_argument("--kernel", help="run this kernel instead of the selected one")
-        sp.add_argument("--seed", type=int, default=0)
-        if name == "run":
-            sp.add_argument("--validate", action="store_true", help="compare with a float64 numpy reference")
-        if name == "bench":
-            sp.add_argument("--warmup", type=int, default=2)
-            sp.add_argument("--repeat", type=int, default=10)
+        if with_problem:
+            _op_parsers(sp, name)
     return ap
 
 
-def main(argv=None) -> int:
-    a = parser().parse_args(argv)
+def _main(argv) -> int:
     try:
+        a = parser().parse_args(argv)
         reg = registry_mod.load(a.bundle)
         return a.fn(reg, a)
-    except errors.TileDispatchError as e:
-        _print({"status": "error", "error": type(e).__name__, "message": str(e)})
-        return 2
+    except BrokenPipeError:
+        raise
+    except Exception as e:
+        # one JSON object with the type and message, for a project error, a bad environment (OSError,
+        # MemoryError) and a bug alike: nothing is hidden, nothing prints a traceback
+        _print(_error(e))
+        return EXIT_ERROR
+
+
+def main(argv=None) -> int:
+    try:
+        try:
+            code = _main(argv)
+        except SystemExit as e:  # -h: argparse printed the help and exits
+            code = e.code if isinstance(e.code, int) else 0
+        sys.stdout.flush()  # a closed pipe shows here at the latest, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        # the reader is gone (`| head`): point stdout at /dev/null so the interpreter's final flush is quiet
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE

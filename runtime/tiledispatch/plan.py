@@ -1,20 +1,36 @@
 """Plans: a problem bound to one kernel, for repeated launches with little host work.
 
 The first launch validates everything (Python checks, then the kernel's own td_can_run). It records
-each tensor's fingerprint (shape, strides, dtype, device); a later launch whose tensors have the same
-fingerprints only swaps the data pointers in the prepared td_args. Anything else goes through the
-full checks again, so the fast path can never run a kernel on arguments it did not accept.
+each tensor's fingerprint (shape, strides, dtype, device, and what else decides whether a tensor may be
+used: numpy's writeable flag, torch's requires_grad); a later launch whose tensors have the same
+fingerprints only swaps the data pointers in the prepared td_args, after checking that the new
+pointers do not make the written tensor overlap a read one (a few integer comparisons, only when a
+pointer changed). Anything else goes through the full checks again, so the fast path can never run a
+kernel on arguments it did not accept.
 """
 from __future__ import annotations
 
 import ctypes
+import numbers
 from typing import Any, Callable, Optional
 
 import numpy as np
 
 from . import abi
+from .arrays import span
 from .ops import get as ops_get
 from .errors import InvalidInputError, KernelRuntimeError, UnsupportedProblemError
+from .spec.dtypes import BY_CODE
+
+# num_threads above this is refused (the cpu kernels refuse it too: templates/cpu/_common.j2 MAX_THREADS);
+# libgomp crashes on absurd counts
+MAX_THREADS = 1024
+
+
+def check_num_threads(n) -> int:
+    if type(n) is bool or not isinstance(n, numbers.Integral) or not 0 <= n <= MAX_THREADS:
+        raise InvalidInputError(f"num_threads must be an integer from 0 (the default) to {MAX_THREADS}, got {n!r}")
+    return int(n)
 
 
 def fingerprint(obj: Any) -> tuple[int, tuple]:
@@ -31,12 +47,12 @@ def fingerprint(obj: Any) -> tuple[int, tuple]:
 
 def _numpy_print(a) -> tuple[int, tuple]:
     ptr = a.ctypes.data
-    return ptr, (a.shape, a.strides, a.dtype, ptr & 15)
+    return ptr, (a.shape, a.strides, a.dtype, ptr & 15, a.flags.writeable)
 
 
 def _torch_print(t) -> tuple[int, tuple]:
     ptr = t.data_ptr()  # get_device(): the device index as an int (-1 on the CPU), cheaper than t.device
-    return ptr, (t.shape, t.stride(), t.dtype, t.get_device(), ptr & 15)
+    return ptr, (t.shape, t.stride(), t.dtype, t.get_device(), ptr & 15, t.requires_grad)
 
 
 def _cupy_print(x) -> tuple[int, tuple]:
@@ -45,10 +61,10 @@ def _cupy_print(x) -> tuple[int, tuple]:
 
 
 def _generic_print(obj) -> tuple[int, tuple]:
-    from .arrays import view
+    from .arrays import read_only, view
 
     v = view(obj, "tensor")
-    return v.ptr, (v.shape, v.strides, v.dtype, v.device, v.ptr & 15)
+    return v.ptr, (v.shape, v.strides, v.dtype, v.device, v.ptr & 15, read_only(obj))
 
 
 def _printer_for(cls) -> Callable[[Any], tuple[int, tuple]]:
@@ -93,6 +109,7 @@ class Plan:
     """
 
     def __init__(self, registry, problem, kernel, *, stream=None, num_threads: int = 0, **scalars):
+        check_num_threads(num_threads)
         self.registry, self.problem, self.kernel = registry, problem, kernel
         self.stream, self.num_threads, self.scalars = stream, num_threads, scalars
         self._ops = ops_get(problem.op)
@@ -101,20 +118,30 @@ class Plan:
         self._ptrs: Optional[tuple] = None  # the pointers in _args now
         self._run = kernel.library._lib.td_run
         self._reason = ctypes.create_string_buffer(512)
+        self._grad_sensitive = False  # a torch tensor requires grad: launches need grad mode off
 
     def __call__(self, tensors: dict, prints: Optional[list] = None) -> None:
         """Launch once; tensors as the op's run() takes them (GEMM: a, b, out, c, bias, residuals).
         prints: their fingerprints in td_args slot order, when the caller has them already."""
         if prints is None:
-            prints = [fingerprint(t) for t in self._ops.tensors_in_slot_order(tensors)]
+            try:
+                prints = [fingerprint(t) for t in self._ops.tensors_in_slot_order(tensors)]
+            except Exception:
+                self._ops.operands_for(self.problem, tensors)  # the full checks say what is wrong
+                raise
         if self._args is None or tuple([p[1] for p in prints]) != self._prints:
             self._prepare(tensors, prints)
         self.launch_pointers(tuple([p[0] for p in prints]))
 
     def launch_pointers(self, ptrs: tuple) -> None:
         """The fast path: the data pointers, in slot order, of tensors whose fingerprints equal the validated
-        ones (the caller checked); only pointers that changed since the last launch are written."""
+        ones (the caller checked); only pointers that changed since the last launch are checked for overlap
+        and written."""
+        if self._grad_sensitive and _grad_enabled():
+            raise InvalidInputError("a tensor requires grad and grad mode is on; tiledispatch does not record "
+                                    "autograd, so run under torch.no_grad() or pass .detach()")
         if ptrs != self._ptrs:
+            self._check_disjoint(ptrs)
             for slot, ptr in zip(self._slot_structs, ptrs):
                 slot.data = ptr
             self._ptrs = ptrs
@@ -138,15 +165,60 @@ class Plan:
         self._args, self._prints, self._ptrs = args, tuple(p[1] for p in prints), None
         self._args_ref = ctypes.byref(args)
         self._slot_structs = [args.tensors[i] for i in range(len(prints))]
+        self._footprints(args, len(prints))
+        self._grad_sensitive = any(getattr(v.obj, "requires_grad", False) for v in operands.all())
+
+    def _footprints(self, args: abi.TdArgs, slots: int) -> None:
+        """Each tensor's byte span relative to its pointer, for _check_disjoint."""
+        spans = []
+        for i in range(slots):
+            t = args.tensors[i]
+            spans.append(span(t.shape[:t.rank], t.stride[:t.rank], BY_CODE[t.dtype].itemsize) if t.data else None)
+        self._written, exact = self._ops.written_slots(self.problem)
+        w = args.tensors[self._written]
+        self._exact = exact if exact is not None and _same_view(args.tensors[exact], w) else None
+        self._w_span = spans[self._written]
+        self._reads = [(i, *sp) for i, sp in enumerate(spans) if sp is not None and i != self._written]
+        self._slot_names = self._ops.slot_names(self.problem, slots)
+
+    def _check_disjoint(self, ptrs: tuple) -> None:
+        """The written tensor at its new pointer must not overlap a read one at its new pointer (the exact
+        alias the op allows, C = D for GEMM, excepted)."""
+        w = ptrs[self._written]
+        w_lo, w_hi = w + self._w_span[0], w + self._w_span[1]
+        for i, lo, hi in self._reads:
+            p = ptrs[i]
+            if p is not None and p + lo < w_hi and w_lo < p + hi and not (i == self._exact and p == w):
+                raise InvalidInputError(f"{self._slot_names[self._written]} overlaps {self._slot_names[i]} in memory "
+                                        f"(bytes [{w_lo:#x}, {w_hi:#x}) and [{p + lo:#x}, {p + hi:#x})): the kernel "
+                                        f"would read values it has already overwritten; pass a separate output")
 
     def _raise(self, status: int) -> None:
         self._args = None  # the next call re-validates
         raise_for_status(self.kernel, status, self._reason.value.decode())
 
 
+def _same_view(a: abi.TdTensor, b: abi.TdTensor) -> bool:
+    return a.rank == b.rank and all(a.shape[i] == b.shape[i] and a.stride[i] == b.stride[i] for i in range(a.rank))
+
+
+def _grad_enabled() -> bool:
+    import torch
+
+    return torch.is_grad_enabled()
+
+
 def bind(registry, problem, kernel, operands, *, stream=None, num_threads: int = 0, **scalars) -> abi.TdArgs:
     """td_args for one launch of kernel on checked operands: device, signature, stream and workspace."""
+    check_num_threads(num_threads)
+    if stream is not None and (isinstance(stream, bool) or not isinstance(stream, int)):
+        raise InvalidInputError(f"stream must be a raw CUDA/HIP stream handle (an int) or None, got {stream!r}")
     registry._check_device(operands)
+    if registry.device != "cpu":  # the GPU kernels are not tested with negative strides
+        for v in operands.all():
+            if any(s < 0 for n, s in zip(v.shape, v.strides) if n > 1):
+                raise InvalidInputError(f"strides {list(v.strides)}: negative strides are supported on the cpu "
+                                        f"backend only; pass a copy")
     reason = problem.mismatch(kernel.key)
     if reason:
         raise UnsupportedProblemError(f"{kernel.name} cannot run {problem}: {reason}")

@@ -14,6 +14,8 @@ import numpy as np
 from . import abi, arrays, bundle, selection, tuning
 from .backends import get as get_backend
 from .ops import get as ops_get
+from .ops.conv import ConvProblem
+from .ops.gemm import GemmProblem, clamp_pair
 from .plan import Plan, bind, fingerprint, raise_for_status
 from .errors import BundleError, InvalidInputError, UnsupportedProblemError
 from .spec import rules
@@ -25,25 +27,26 @@ TUNE_TOP = 12  # kernels timed by tuning: on held-out H100 shapes the fastest of
                # 10% of the best on 99.5% of them (runtime/tiledispatch/models/cutlass_sm90a_gemm.json)
 NO_CLAMP = (float("-inf"), float("inf"))
 NO_PRINT = (None, None)  # fingerprint(None)
+_SEQUENCES = (tuple, list)  # the residuals gemm()'s fast path takes
 
 
 class Kernel:
-    """One kernel of a bundle: its key, file and loaded library."""
+    """One kernel of a bundle: its key, file and loaded library. load() passes the library it loaded from
+    the file's checked bytes; without one, the file at path is loaded as it is (tools and tests)."""
 
-    def __init__(self, key: KernelKey, path: Path, origin: str = ""):
+    def __init__(self, key: KernelKey, path: Path, origin: str = "",
+                 library: Optional[abi.KernelLibrary] = None):
         self.key, self.name, self.path, self.origin = key, key.name, path, origin
         try:
-            self.library = abi.KernelLibrary(path)
+            self.library = library or abi.KernelLibrary(path)
         except OSError as e:
             raise BundleError(f"{path}: cannot be loaded: {e}") from None
         if self.library.abi_version() != abi.ABI_VERSION:
             raise BundleError(f"{path}: ABI version {self.library.abi_version()}, runtime has {abi.ABI_VERSION}")
-        try:
-            embedded = KernelKey.from_json(self.library.key_json())
-        except ValueError as e:
-            raise BundleError(f"{path}: embedded key is unreadable: {e}") from None
-        if embedded != key:
-            raise BundleError(f"{path}: the library reports key {embedded.name}, the manifest says {key.name}")
+        embedded = self.library.key_json()
+        if embedded != key.to_json():
+            raise BundleError(f"{path}: the library reports key {bundle.describe_key(embedded)}, the manifest says "
+                              f"{key.name}")
 
     def __repr__(self) -> str:
         return f"Kernel({self.name})"
@@ -69,6 +72,14 @@ class Registry:
 
     def __len__(self) -> int:
         return len(self.kernels)
+
+    def _resolve(self, kernel: Union[Kernel, str, None]) -> Optional[Kernel]:
+        """A kernel argument (a Kernel, a kernel name or None) as a Kernel or None."""
+        if kernel is None or isinstance(kernel, Kernel):
+            return kernel
+        if isinstance(kernel, str):
+            return self.kernel(kernel)
+        raise InvalidInputError(f"kernel must be a Kernel of this registry or a kernel name, got {kernel!r}")
 
     def kernel(self, name: str) -> Kernel:
         for k in self.kernels:
@@ -178,10 +189,15 @@ class Registry:
             num_threads: int = 0, **scalars) -> Kernel:
         """Launch one kernel once; operands is the op module's Operands or a dict of arrays (for GEMM:
         a, b, out, and optionally c, bias, residuals). Returns the kernel used."""
+        if not isinstance(problem, (GemmProblem, ConvProblem)):
+            raise InvalidInputError(f"problem must be a GemmProblem or ConvProblem, got {type(problem).__name__}")
+        ops = ops_get(problem.op)
         if isinstance(operands, dict):
-            operands = ops_get(problem.op).operands_for(problem, operands)
-        if isinstance(kernel, str):
-            kernel = self.kernel(kernel)
+            operands = ops.operands_for(problem, operands)
+        elif not isinstance(operands, ops.Operands):
+            raise InvalidInputError(f"operands must be a dict of arrays or the {problem.op} module's Operands, got "
+                                    f"{type(operands).__name__}")
+        kernel = self._resolve(kernel)
         if kernel is None:
             self._check_device(operands)
             kernel = self._choose(problem, operands, stream=stream, num_threads=num_threads, scalars=scalars)
@@ -195,8 +211,7 @@ class Registry:
              **scalars) -> Plan:
         """A Plan: the problem bound to one kernel (the selected one unless given), for repeated launches
         that only swap pointers while the tensors' shapes, strides and dtypes stay the same."""
-        if isinstance(kernel, str):
-            kernel = self.kernel(kernel)
+        kernel = self._resolve(kernel)
         return Plan(self, problem, kernel or self.select(problem), stream=stream, num_threads=num_threads,
                     **scalars)
 
@@ -206,19 +221,24 @@ class Registry:
 
         A call with out given whose tensors and options match an earlier call's (shapes, strides,
         dtypes, devices, alignment) reuses that call's validated Plan and only swaps pointers."""
-        clamp = clamp if type(clamp) is tuple else tuple(clamp)
-        if out is not None:  # the fast path: as little Python as possible between the call and td_run
-            fa, fb, fo = fingerprint(a), fingerprint(b), fingerprint(out)
-            fc = NO_PRINT if c is None else fingerprint(c)
-            fbias = NO_PRINT if bias is None else fingerprint(bias)
-            cache_key = (activation, alpha, beta, clamp, kernel if kernel is None or type(kernel) is str else kernel.name,
-                         stream, num_threads, fa[1], fb[1], fc[1], fo[1], fbias[1])
-            ptrs = (fa[0], fb[0], fc[0], fo[0], fbias[0])
-            if residuals:
-                rprints = [fingerprint(r) for r in residuals]
-                cache_key += tuple(p[1] for p in rprints)
-                ptrs += tuple(p[0] for p in rprints)
-            plan = self._plans.get(cache_key)
+        if type(clamp) is not tuple:
+            clamp = clamp_pair(clamp)
+        if out is not None and type(residuals) in _SEQUENCES:  # the fast path: as little Python as possible
+            # between the call and td_run
+            try:
+                fa, fb, fo = fingerprint(a), fingerprint(b), fingerprint(out)
+                fc = NO_PRINT if c is None else fingerprint(c)
+                fbias = NO_PRINT if bias is None else fingerprint(bias)
+                cache_key = (activation, alpha, beta, clamp, kernel if kernel is None or type(kernel) is str else
+                             kernel.name, stream, num_threads, fa[1], fb[1], fc[1], fo[1], fbias[1])
+                ptrs = (fa[0], fb[0], fc[0], fo[0], fbias[0])
+                if residuals:
+                    rprints = [fingerprint(r) for r in residuals]
+                    cache_key += tuple(p[1] for p in rprints)
+                    ptrs += tuple(p[0] for p in rprints)
+                plan = self._plans.get(cache_key)
+            except Exception:  # an argument that cannot be fingerprinted or hashed: the full checks below say
+                plan = None    # what is wrong with it
             if plan is not None:
                 plan.launch_pointers(ptrs)
                 return out
@@ -231,8 +251,7 @@ class Registry:
                                         activation=activation, clamp=clamp, kernel=kernel, num_threads=num_threads)
         problem, operands = gemm_op.operands(a, b, out, c, bias, residuals, activation)
         self._check_device(operands)
-        if isinstance(kernel, str):
-            kernel = self.kernel(kernel)
+        kernel = self._resolve(kernel)
         chosen = kernel or self._choose(problem, operands, stream=stream, num_threads=num_threads,
                                         scalars={"alpha": alpha, "beta": beta, "clamp": clamp})
         plan = Plan(self, problem, chosen, stream=stream, num_threads=num_threads, alpha=alpha, beta=beta,
@@ -336,10 +355,19 @@ def _no_kernel_message(problem, explained) -> str:
 
 def load(bundle_dir: Union[str, Path], *, autotune: bool = False,
          tuning_cache: Optional[tuning.TuningCache] = None) -> Registry:
-    """Load a bundle: verify the manifest, every file's sha256 and every embedded key. autotune: see
-    Registry; tuning_cache: where tuning records live (default: tuning.default_path())."""
+    """Load a bundle; autotune: see Registry; tuning_cache: where tuning records live (default:
+    tuning.default_path()). Checked in this order (README, "Trust model"): the manifest's structure, then
+    per kernel: its path confined to the bundle, its bytes read once, their sha256 and their static embedded
+    key, and only then dlopen of a sealed copy of those bytes, its ABI version and its td_kernel_key()."""
     manifest = bundle.read_manifest(bundle_dir)
-    kernels = [Kernel(e["_key"], e["_path"], e.get("origin", "")) for e in manifest["kernels"]]
+    kernels = []
+    for e in manifest["kernels"]:
+        data = bundle.read_kernel(bundle_dir, e)
+        try:
+            library = abi.KernelLibrary.from_image(data, e["sha256"], e["_path"])
+        except OSError as err:
+            raise BundleError(f"{e['_path']}: cannot be loaded: {err}") from None
+        kernels.append(Kernel(e["_key"], e["_path"], e.get("origin", ""), library))
     if not kernels:
         raise BundleError(f"{bundle_dir}: the bundle has no kernels")
     return Registry(kernels, manifest["backend"], manifest["arch"], manifest, autotune=autotune,

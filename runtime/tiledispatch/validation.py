@@ -2,6 +2,8 @@
 tolerance on ||out - ref|| / ||ref|| (from the backend's rules data)."""
 from __future__ import annotations
 
+from math import prod
+
 import numpy as np
 
 from .spec import rules
@@ -9,12 +11,12 @@ from .spec.dtypes import dtype, numpy_dtype
 from .spec.key import KernelKey
 
 
-def random_array(rng: np.random.Generator, shape, dtype_name: str) -> np.ndarray:
-    """Uniform values with no exact zeros: [-1, 1] for floats, [-8, 8] \\ {0} for integers."""
+def random_array(rng: np.random.Generator, shape, dtype_name: str, scale: float = 1.0) -> np.ndarray:
+    """Uniform values with no exact zeros: scale * [-1, 1] for floats, [-8, 8] \\ {0} for integers."""
     if dtype(dtype_name).kind == "int":
         v = rng.integers(1, 9, size=shape) * rng.choice([-1, 1], size=shape)
         return v.astype(numpy_dtype(dtype_name))
-    v = rng.uniform(0.05, 1.0, size=shape) * rng.choice([-1.0, 1.0], size=shape)
+    v = rng.uniform(0.05, 1.0, size=shape) * rng.choice([-scale, scale], size=shape)
     return v.astype(numpy_dtype(dtype_name))
 
 
@@ -67,20 +69,55 @@ def gemm_inputs(p, rng, with_c: bool = False) -> dict:
     }
 
 
+def conv_terms(p) -> int:
+    """The most products summed into one output element: C/G x taps (fwd), K/G x taps (bwd_data),
+    N x output pixels (bwd_weight)."""
+    if p.direction == "fwd":
+        return p.c // p.g * prod(p.filter_size)
+    if p.direction == "bwd_data":
+        return p.k // p.g * prod(p.filter_size)
+    return p.n * prod(p.out_size)
+
+
+def conv_inputs(p, rng) -> dict:
+    """Random x, w, y for a ConvProblem, the written one poisoned. Float inputs are scaled down where a
+    sum of conv_terms(p) products, all at their largest and of one sign, could pass 1/16 of the output
+    dtype's largest value (fp16: 4094), so no output overflows whatever the problem's size."""
+    import ml_dtypes  # finfo for bf16 and fp8 too
+
+    from .ops.conv import WRITES
+
+    shapes = p.shapes()
+    dtypes = {"x": p.dtype_x, "w": p.dtype_w, "y": p.dtype_y}
+    written = WRITES[p.direction]
+    scale = 1.0
+    if dtype(dtypes[written]).kind == "float":
+        limit = float(ml_dtypes.finfo(numpy_dtype(dtypes[written])).max) / 16
+        scale = min(1.0, (limit / conv_terms(p)) ** 0.5)  # per read operand: their product scales by scale**2
+    data = {role: random_array(rng, shapes[role], dtypes[role], scale) for role in ("x", "w", "y") if role != written}
+    data[written] = poison(np.empty(shapes[written], numpy_dtype(dtypes[written])))
+    return data
+
+
+def conv_reference(p, data: dict) -> np.ndarray:
+    """The float64 result of the ConvProblem's direction on data's read tensors (reference.py)."""
+    from . import reference
+
+    geo = (p.stride, p.dilation, p.pad_lo, p.pad_hi)
+    if p.direction == "fwd":
+        return reference.conv_fwd(data["x"], data["w"], *geo)
+    if p.direction == "bwd_data":
+        return reference.conv_bwd_data(data["y"], data["w"], p.in_size, *geo)
+    return reference.conv_bwd_weight(data["x"], data["y"], p.filter_size, *geo)
+
+
 def conv_case(p, rng) -> tuple[dict, np.ndarray]:
     """Random x, w, y for a ConvProblem (the written one poisoned) and the float64 reference result."""
-    from . import reference
     from .ops.conv import WRITES
 
     shapes = p.shapes()
     data = {role: random_array(rng, shapes[role], p.dtype_a if role == "x" else (p.dtype_b if role == "w" else p.dtype_c))
             for role in ("x", "w", "y")}
-    geo = (p.stride, p.dilation, p.pad_lo, p.pad_hi)
-    if p.direction == "fwd":
-        expect = reference.conv_fwd(data["x"], data["w"], *geo)
-    elif p.direction == "bwd_data":
-        expect = reference.conv_bwd_data(data["y"], data["w"], p.in_size, *geo)
-    else:
-        expect = reference.conv_bwd_weight(data["x"], data["y"], p.filter_size, *geo)
+    expect = conv_reference(p, data)
     poison(data[WRITES[p.direction]])
     return data, expect

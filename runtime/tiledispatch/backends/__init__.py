@@ -17,6 +17,7 @@ A backend module provides:
 from __future__ import annotations
 
 import importlib
+import subprocess
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -28,6 +29,21 @@ class Toolchain:
     compiler: str                 # path or command of the compiler
     identity: str                 # every version string that enters the build identity
     include_dirs: tuple[str, ...] = ()   # third-party headers (-isystem: never scanned)
+
+
+def tool_output(cmd: list[str], what: str) -> str:
+    """The output of a toolchain probe such as `compiler --version`; RuntimeError on one line, naming the
+    command, when it cannot run, fails or prints nothing (a compiler that exists but does not work)."""
+    shown = " ".join(cmd)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RuntimeError(f"{what}: `{shown}` cannot run: {e}") from None
+    out = (proc.stdout or proc.stderr).strip()
+    if proc.returncode != 0 or not out:
+        last = proc.stderr.strip().splitlines()[-1:]
+        raise RuntimeError(f"{what}: `{shown}` failed (exit {proc.returncode})" + (f": {last[0]}" if last else ""))
+    return out
 
 
 def names() -> list[str]:

@@ -23,7 +23,7 @@ from pathlib import Path
 from ..spec import rules
 from ..spec.dtypes import dtype
 from ..spec.key import KernelKey
-from . import Toolchain
+from . import Toolchain, tool_output
 
 SOURCE_SUFFIX = ".hip"
 JOB_MEMORY_BYTES = 2 * 2**30          # measured: a compile check peaks near 1 GiB; a -O3 build needs more
@@ -142,14 +142,13 @@ def _tree_hash(root: str, sub: str) -> str:
 
 
 def _first_line(cmd: list[str]) -> str:
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    return (out.stdout or out.stderr).strip().splitlines()[0].strip()
+    return tool_output(cmd, "ck_tile backend: a tool does not work").splitlines()[0].strip()
 
 
 def _version_lines(cmd: list[str]) -> str:
     """Every line of `cmd --version` (hipcc prints the HIP version, then the clang version)."""
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    return " | ".join(ln.strip() for ln in (out.stdout or out.stderr).splitlines() if ln.strip())
+    out = tool_output(cmd, "ck_tile backend: the HIP compiler does not work")
+    return " | ".join(ln.strip() for ln in out.splitlines() if ln.strip())
 
 
 @functools.lru_cache(maxsize=None)
@@ -256,8 +255,7 @@ def check_toolchain() -> CheckToolchain:
     ) if not ok]
     if missing:
         raise RuntimeError("ck_tile compile check: missing " + ", ".join(missing) + "; " + hint)
-    resource_dir = subprocess.run([clang, "-print-resource-dir"], capture_output=True, text=True,
-                                  check=True).stdout.strip()
+    resource_dir = tool_output([clang, "-print-resource-dir"], "ck_tile compile check: clang-19 does not work")
     versions = d / "versions.txt"
     identity = "; ".join([
         "ck_tile compile check (front end + LLVM IR, -O0; not a build)",

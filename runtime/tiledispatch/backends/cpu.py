@@ -4,12 +4,11 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-import subprocess
 
 from ..spec import rules
 from ..spec.dtypes import dtype
 from ..spec.key import KernelKey
-from . import Toolchain
+from . import Toolchain, tool_output
 
 SOURCE_SUFFIX = ".cpp"
 JOB_MEMORY_BYTES = 400 * 2**20
@@ -53,7 +52,7 @@ def toolchain() -> Toolchain:
     path = shutil.which(cxx)
     if path is None:
         raise RuntimeError(f"cpu backend: C++ compiler {cxx!r} not found (set CXX or install g++)")
-    version = subprocess.run([path, "--version"], capture_output=True, text=True, check=True).stdout
+    version = tool_output([path, "--version"], f"cpu backend: C++ compiler {cxx!r} does not work (set CXX)")
     return Toolchain(compiler=path, identity=version.splitlines()[0].strip())
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from ..spec import rules
 from ..spec.dtypes import dtype
 from ..spec.key import KernelKey
-from . import Toolchain, cutlass_conv
+from . import Toolchain, cutlass_conv, tool_output
 
 SOURCE_SUFFIX = ".cu"
 JOB_MEMORY_BYTES = 3_900 * 2**20  # measured nvcc peaks: 3.1-3.8 GB per sm90a instantiation (fused epilogues highest), ~1.2 GB sm80
@@ -137,7 +137,7 @@ def toolchain() -> Toolchain:
     if incs is None:
         raise RuntimeError("cutlass backend: CUTLASS headers not found; install them with "
                            "`pip install --no-deps nvidia-cutlass`")
-    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    out = tool_output([nvcc, "--version"], "cutlass backend: nvcc does not work")
     release = re.search(r"release [^\n]*", out)
     nvcc_version = release.group(0) if release else out.strip().splitlines()[-1]
     identity = f"nvcc {nvcc_version}; nvidia-cutlass {_cutlass_version()}"

@@ -1,7 +1,8 @@
 /* tiledispatch C ABI: the one interface every generated kernel library (.so) exports.
  *
- * One .so holds one kernel configuration. The runtime loads it, checks td_abi_version() and compares
- * td_kernel_key() (the kernel key as canonical JSON) with the bundle manifest before any launch.
+ * One .so holds one kernel configuration. The runtime reads its key from the ELF section ".td_key"
+ * (TD_DEFINE_KERNEL_KEY) and compares it with the bundle manifest before loading it; after loading it
+ * checks td_abi_version() and compares td_kernel_key() (the kernel key as canonical JSON) as well.
  *
  * Calls never allocate device memory and never synchronize: td_run launches the kernel once on
  * args->stream (cudaStream_t / hipStream_t; ignored by the cpu backend, which runs synchronously).
@@ -90,7 +91,7 @@ typedef struct td_args {
 } td_args;
 
 TD_EXPORT uint32_t td_abi_version(void);
-/* The kernel key as canonical JSON (static storage). */
+/* The kernel key as canonical JSON (static storage); defined by TD_DEFINE_KERNEL_KEY below. */
 TD_EXPORT const char* td_kernel_key(void);
 /* TD_OK when td_run would accept these arguments; otherwise the reason. */
 TD_EXPORT int32_t td_can_run(const td_args* args, char* reason, uint64_t reason_bytes);
@@ -102,5 +103,19 @@ TD_EXPORT int32_t td_run(const td_args* args, char* reason, uint64_t reason_byte
 #ifdef __cplusplus
 }
 #endif
+
+/* TD_DEFINE_KERNEL_KEY("<key JSON>") defines td_kernel_key() (write it where the other td_ functions are
+ * defined, inside extern "C") and stores the same bytes, NUL-terminated, as the only content of the ELF
+ * section ".td_key". The runtime reads that section from the file's bytes and compares it with the
+ * manifest before dlopen, so a library that is not the kernel the manifest names is refused before any of
+ * its constructors can run; after dlopen it compares td_kernel_key() as well. */
+#if defined(__ELF__)
+#define TD_KEY_SECTION __attribute__((section(".td_key"), used))
+#else
+#define TD_KEY_SECTION
+#endif
+#define TD_DEFINE_KERNEL_KEY(json)                              \
+  static const char td_key_json_[] TD_KEY_SECTION = json;       \
+  TD_EXPORT const char* td_kernel_key(void) { return td_key_json_; }
 
 #endif /* TILEDISPATCH_ABI_H */

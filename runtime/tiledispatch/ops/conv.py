@@ -14,15 +14,18 @@ Arrays come in one of two forms, chosen by the caller with `groups`:
 """
 from __future__ import annotations
 
+import numbers
+import operator
 from dataclasses import dataclass, field
 from math import prod
 from typing import ClassVar, Optional, Sequence, Union
 
 from .. import abi
-from ..arrays import ArrayView, empty_like_device, view
+from ..arrays import ArrayView, check_disjoint, check_writable, empty_like_device, view
 from ..errors import InvalidInputError, UnsupportedProblemError
 from ..spec.dtypes import DTYPES, dtype
 from ..spec.key import CONV_LAYOUTS, DIRECTIONS, Epilogue, KernelKey
+from .gemm import check_size, real_scalar
 
 DUMMY_PTR = 1 << 20  # aligned, never dereferenced: can-run checks look at shapes and strides only
 CONV_DIRECTIONS = DIRECTIONS[1:]
@@ -30,15 +33,30 @@ CONV_DIRECTIONS = DIRECTIONS[1:]
 WRITES = {"fwd": "y", "bwd_data": "x", "bwd_weight": "w"}
 
 IntOrSeq = Union[int, Sequence[int]]
+# stride, dilation and padding are bounded so that the kernels' products of them (e.g. pixels x stride) fit an
+# int64 (the cpu kernels refuse larger ones too: templates/cpu/_conv_common.j2 MAX_GEOMETRY)
+MAX_GEOMETRY = 2**31 - 1
 
 
-def _ints(name: str, value, rank: int, low: int) -> tuple[int, ...]:
-    """An int (every dim) or rank ints, each >= low."""
-    values = (value,) * rank if isinstance(value, int) and not isinstance(value, bool) else tuple(value)
-    if len(values) != rank or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _ints(name: str, value, rank: int, low: int, high: Optional[int] = None) -> tuple[int, ...]:
+    """An int (every dim) or rank ints, each in [low, high]."""
+    if _is_int(value):
+        values = (value,) * rank
+    elif isinstance(value, (tuple, list)):
+        values = tuple(value)
+    else:
+        values = ()
+    if len(values) != rank or not all(_is_int(v) for v in values):
         raise InvalidInputError(f"conv {name} must be an integer or {rank} integers (one per spatial dim), got {value!r}")
+    values = tuple(operator.index(v) for v in values)
     if any(v < low for v in values):
         raise InvalidInputError(f"conv {name} must be >= {low} in every spatial dim, got {list(values)}")
+    if high is not None and any(v > high for v in values):
+        raise InvalidInputError(f"conv {name} must be <= {high} in every spatial dim, got {list(values)}")
     return values
 
 
@@ -73,28 +91,33 @@ class ConvProblem:
             raise InvalidInputError(f"conv direction must be one of {', '.join(CONV_DIRECTIONS)}, got {self.direction!r}")
         for name in ("n", "g", "c", "k"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            if not _is_int(v) or v < 1:
                 raise InvalidInputError(f"conv {name.upper()} must be an integer >= 1, got {v!r}")
+            object.__setattr__(self, name, operator.index(v))
         for name in ("c", "k"):
             if getattr(self, name) % self.g:
                 raise InvalidInputError(f"conv groups G = {self.g} do not divide {name.upper()} = {getattr(self, name)}")
         if not isinstance(self.in_size, (tuple, list)) or len(self.in_size) not in (1, 2, 3):
             raise InvalidInputError(f"conv in_size needs 1, 2 or 3 spatial sizes, got {self.in_size!r}")
         rank = len(self.in_size)
-        for name, low in (("in_size", 1), ("filter_size", 1), ("stride", 1), ("dilation", 1), ("pad_lo", 0),
-                          ("pad_hi", 0)):
-            object.__setattr__(self, name, _ints(name, getattr(self, name), rank, low))
+        for name, low, high in (("in_size", 1, None), ("filter_size", 1, None), ("stride", 1, MAX_GEOMETRY),
+                                ("dilation", 1, MAX_GEOMETRY), ("pad_lo", 0, MAX_GEOMETRY), ("pad_hi", 0, MAX_GEOMETRY)):
+            object.__setattr__(self, name, _ints(name, getattr(self, name), rank, low, high))
         for name in ("dtype_x", "dtype_w", "dtype_y"):
-            if getattr(self, name) not in DTYPES:
+            if not isinstance(getattr(self, name), str) or getattr(self, name) not in DTYPES:
                 raise InvalidInputError(f"conv {name}: unknown dtype {getattr(self, name)!r}")
-        if self.layout not in CONV_LAYOUTS:
+        if not isinstance(self.layout, str) or self.layout not in CONV_LAYOUTS:
             raise InvalidInputError(f"conv layout must be one of {', '.join(CONV_LAYOUTS)}, got {self.layout!r}")
+        if not isinstance(self.epilogue, Epilogue):
+            raise InvalidInputError(f"conv epilogue must be an Epilogue, got {self.epilogue!r}")
         for d in range(rank):
             span = self.in_size[d] + self.pad_lo[d] + self.pad_hi[d] - self.dilation[d] * (self.filter_size[d] - 1)
             if span < 1:
                 raise InvalidInputError(
                     f"conv spatial dim {d}: padded input {self.in_size[d]} + {self.pad_lo[d]} + {self.pad_hi[d]} is "
                     f"smaller than the dilated filter {self.dilation[d] * (self.filter_size[d] - 1) + 1}")
+        for role, shape in self.shapes().items():
+            check_size(f"conv {role}", shape, DTYPES[getattr(self, f"dtype_{role}")].itemsize)
 
     # -- derived sizes ----------------------------------------------------------------------------
     @property
@@ -258,7 +281,7 @@ def _logical_shape(shape: tuple[int, ...], role: str, groups: Optional[int]) -> 
 
 def _allocate(like: ArrayView, role: str, explicit_shape: tuple[int, ...], dtype_name: str, groups: Optional[int]):
     """A new output whose memory is the explicit-axis layout, in the caller's form."""
-    new = empty_like_device(like, explicit_shape, dtype_name)
+    new = empty_like_device(like, explicit_shape, dtype_name, role)
     if groups is None:
         return new
     rank = len(explicit_shape) - 3
@@ -315,7 +338,7 @@ def operands(direction: str, x=None, w=None, y=None, *, stride: IntOrSeq = 1, di
         elif in_size is None:
             raise InvalidInputError("conv bwd_data without an output array needs in_size (the input's spatial sizes)")
         else:
-            sp_in = tuple(in_size)
+            sp_in = _ints("in_size", in_size, rank, 1)
     else:
         n, sp_in, g, cg = v["x"].shape[0], v["x"].shape[1:-2], v["x"].shape[-2], v["x"].shape[-1]
         kg = v["y"].shape[-1]
@@ -324,7 +347,7 @@ def operands(direction: str, x=None, w=None, y=None, *, stride: IntOrSeq = 1, di
         elif filter_size is None:
             raise InvalidInputError("conv bwd_weight without an output array needs filter_size")
         else:
-            filt = tuple(filter_size)
+            filt = _ints("filter_size", filter_size, rank, 1)
     dts = {role: a.dtype for role, a in v.items()}
     dt_default = next(iter(dts.values()))
     problem = ConvProblem(direction, n, g, cg * g, kg * g, tuple(sp_in), tuple(filt), **geo,
@@ -349,14 +372,25 @@ def operands(direction: str, x=None, w=None, y=None, *, stride: IntOrSeq = 1, di
     devices = {a.device for a in v.values()}
     if len(devices) > 1:
         raise InvalidInputError(f"arrays live on different devices: {sorted(devices)}")
+    if written in raw:
+        check_writable(raw[written], written)
+    check_disjoint(v[written], written, [(v[role], role) for role in ("x", "w", "y") if role != written])
     return problem, Operands(v["x"], v["w"], v["y"], out)
+
+
+def tensors_in_slot_order(tensors: dict) -> list:
+    """The caller's objects in td_args slot order: X, W, Y."""
+    if not isinstance(tensors, dict):
+        raise InvalidInputError(f"conv tensors are a dict {{x, w, y}}, got {type(tensors).__name__}")
+    return [tensors.get("x"), tensors.get("w"), tensors.get("y")]
 
 
 def operands_for(problem: ConvProblem, tensors: dict) -> Operands:
     """Operands from a dict {x, w, y} (all three: the written one is the output), checked against the
     problem. Arrays of rank S + 3 have the explicit group axis, of rank S + 2 the logical form."""
-    if set(tensors) != {"x", "w", "y"}:
-        raise InvalidInputError(f"conv tensors are x, w and y (y is dY for bwd_data and bwd_weight); got {sorted(tensors)}")
+    if not isinstance(tensors, dict) or set(tensors) != {"x", "w", "y"}:
+        got = sorted(tensors) if isinstance(tensors, dict) else type(tensors).__name__
+        raise InvalidInputError(f"conv tensors are x, w and y (y is dY for bwd_data and bwd_weight); got {got}")
     rank = problem.spatial_dims
     ranks = {len(view(a, role).shape) for role, a in tensors.items()}
     if ranks not in ({rank + 3}, {rank + 2}):
@@ -378,8 +412,18 @@ def _dense(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def written_slots(problem: ConvProblem) -> tuple[int, Optional[int]]:
+    """The td_args slot the direction writes; no other slot may alias it."""
+    return "xwy".index(WRITES[problem.direction]), None
+
+
+def slot_names(problem: ConvProblem, count: int) -> list[str]:
+    return ["x", "w", "y"]
+
+
 def make_args(problem: ConvProblem, key: KernelKey, ops: Optional[Operands] = None, *, alpha: float = 1.0,
               beta: float = 0.0) -> abi.TdArgs:
+    alpha, beta = real_scalar("alpha", alpha), real_scalar("beta", beta)
     sig = key.signature
     p = problem
     args = abi.TdArgs()
@@ -407,7 +451,15 @@ def make_args(problem: ConvProblem, key: KernelKey, ops: Optional[Operands] = No
 
 
 # -- entry points (numpy on the cpu backend, torch or cupy on GPU backends) --------------------------
+GEOMETRY_OPTIONS = ("stride", "dilation", "padding", "pad_lo", "pad_hi", "groups", "in_size", "filter_size",
+                    "spatial_dims")
+
+
 def _run(registry, direction: str, x, w, y, *, alpha: float, beta: float, kernel, stream, num_threads, **geo):
+    unknown = sorted(set(geo) - set(GEOMETRY_OPTIONS))
+    if unknown:
+        raise InvalidInputError(f"conv {direction}: unknown option(s) {', '.join(unknown)} (known: alpha, beta, kernel, "
+                                f"stream, num_threads, {', '.join(GEOMETRY_OPTIONS)})")
     written = {"x": x, "w": w, "y": y}[WRITES[direction]]
     if beta != 0 and written is None:
         raise InvalidInputError("beta != 0 reads the previous contents of the output: pass out=")

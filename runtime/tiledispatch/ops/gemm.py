@@ -7,11 +7,14 @@ td_args (dummy pointers when operands is None, for can-run questions without dat
 """
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 from .. import abi
-from ..arrays import ArrayView, empty_like_device, view
+from ..arrays import INT64_MAX, ArrayView, check_disjoint, check_writable, empty_like_device, view
 from ..errors import InvalidInputError
 from ..spec.dtypes import DTYPES, dtype
 from ..spec.key import ACTIVATIONS, Epilogue, KernelKey
@@ -39,14 +42,18 @@ class GemmProblem:
 
     def __post_init__(self):
         for name in ("m", "n", "k", "batch"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise InvalidInputError(f"GEMM {name} must be an integer >= 1, got {v!r}")
+            object.__setattr__(self, name, positive_int(f"GEMM {name}", getattr(self, name)))
         for name in ("dtype_a", "dtype_b", "dtype_c"):
-            if getattr(self, name) not in DTYPES:
+            if not isinstance(getattr(self, name), str) or getattr(self, name) not in DTYPES:
                 raise InvalidInputError(f"GEMM {name}: unknown dtype {getattr(self, name)!r}")
-        if len(self.layout) != 3 or any(ch not in "rc*" for ch in self.layout):
+        if not isinstance(self.layout, str) or len(self.layout) != 3 or any(ch not in "rc*" for ch in self.layout):
             raise InvalidInputError(f"GEMM layout must be three of r/c/* (A, B, D), got {self.layout!r}")
+        if not isinstance(self.epilogue, Epilogue):
+            raise InvalidInputError(f"GEMM epilogue must be an Epilogue, got {self.epilogue!r}")
+        size = {r: DTYPES[getattr(self, f"dtype_{r}")].itemsize for r in "abc"}
+        for role, rows, cols, itemsize in (("A", self.m, self.k, size["a"]), ("B", self.k, self.n, size["b"]),
+                                           ("D", self.m, self.n, size["c"])):
+            check_size(f"GEMM {role}", (self.batch, rows, cols), itemsize)
 
     def mismatch(self, key: KernelKey) -> Optional[str]:
         """Why the key's signature cannot serve this problem, or None when it can."""
@@ -78,6 +85,42 @@ class GemmProblem:
                 "dtype_a": self.dtype_a, "dtype_b": self.dtype_b, "dtype_c": self.dtype_c,
                 "epilogue": {"activation": self.epilogue.activation, "bias": self.epilogue.bias,
                              "residuals": self.epilogue.residuals}}
+
+
+def positive_int(what: str, v) -> int:
+    """v as an int >= 1 (Python or numpy integers; not bool, not float)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+        raise InvalidInputError(f"{what} must be an integer >= 1, got {v!r}")
+    return operator.index(v)
+
+
+def check_size(what: str, shape, itemsize: int) -> None:
+    """The elements and bytes of a dense tensor of this shape must fit the ABI's int64."""
+    if math.prod(shape) * itemsize > INT64_MAX:
+        raise InvalidInputError(f"{what} would have {' x '.join(map(str, shape))} elements of {itemsize} bytes: more "
+                                f"than an int64 byte count holds")
+
+
+def real_scalar(what: str, v, finite: bool = True) -> float:
+    """v as a float: a real number (not bool), finite unless finite=False (then not NaN)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise InvalidInputError(f"{what} must be a real number, got {v!r}")
+    f = float(v)
+    if f != f or (finite and not math.isfinite(f)):
+        raise InvalidInputError(f"{what} must be {'finite' if finite else 'a number (not NaN)'}, got {v!r}")
+    return f
+
+
+def clamp_pair(clamp) -> tuple[float, float]:
+    """(low, high) with low <= high; each a number, +-inf meaning no bound."""
+    try:
+        low, high = clamp
+    except (TypeError, ValueError):
+        raise InvalidInputError(f"clamp must be a pair (low, high), got {clamp!r}") from None
+    low, high = real_scalar("clamp low", low, finite=False), real_scalar("clamp high", high, finite=False)
+    if low > high:
+        raise InvalidInputError(f"clamp needs low <= high, got ({low}, {high})")
+    return low, high
 
 
 def _epi(e: Epilogue) -> str:
@@ -117,9 +160,14 @@ def _layout_letters(v: ArrayView) -> str:
 
 def operands(a, b, out=None, c=None, bias=None, residuals=(), activation: str = "identity"):
     """Check the arrays against each other and return (GemmProblem, Operands)."""
-    if activation not in ACTIVATIONS:
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
         raise InvalidInputError(f"unknown activation {activation!r} (known: {', '.join(ACTIVATIONS)})")
+    if not isinstance(residuals, (list, tuple)):
+        raise InvalidInputError(f"residuals must be a list or tuple of arrays, got {type(residuals).__name__}")
     raw_a, raw_b = view(a, "A"), view(b, "B")
+    for v, role in ((raw_a, "A"), (raw_b, "B")):
+        if 0 in v.shape:
+            raise InvalidInputError(f"{role} has shape {v.shape}: every size must be >= 1")
     va, vb = _as3d(raw_a, "A"), _as3d(raw_b, "B")
     batch_a, m, k = va.shape
     batch_b, kb, n = vb.shape
@@ -132,7 +180,9 @@ def operands(a, b, out=None, c=None, bias=None, residuals=(), activation: str = 
     if out is None:
         both_2d = raw_a.ndim == 2 and raw_b.ndim == 2
         out = empty_like_device(va, (m, n) if both_2d else (batch, m, n), dtype_c)
-    vd = _as3d(view(out, "out"), "out")
+    raw_d = view(out, "out")
+    check_writable(raw_d, "out")
+    vd = _as3d(raw_d, "out")
     if vd.dtype != dtype_c and c is None:
         dtype_c = vd.dtype
     vc = _as3d(view(c, "C"), "C") if c is not None else None
@@ -170,6 +220,8 @@ def operands(a, b, out=None, c=None, bias=None, residuals=(), activation: str = 
         if not letters:
             raise InvalidInputError(f"{role} has strides {v.strides[1:]} with no unit stride: make it contiguous")
         layout += letters
+    check_disjoint(vd, "out", [(va, "A"), (vb, "B"), (vc, "C"), (vbias, "bias"),
+                               *((r, f"residual {i}") for i, r in enumerate(vres))], exact_ok=("C",))
     epi = Epilogue(activation, bias is not None, len(vres))
     problem = GemmProblem(m, n, k, va.dtype, vb.dtype, dtype_c, layout, batch, epi)
     return problem, Operands(va, vb, vd, vc, vbias, vres, out)
@@ -177,12 +229,25 @@ def operands(a, b, out=None, c=None, bias=None, residuals=(), activation: str = 
 
 def tensors_in_slot_order(tensors: dict) -> list:
     """The caller's objects in td_args slot order: A, B, C, D, bias, residuals."""
-    return [tensors["a"], tensors["b"], tensors.get("c"), tensors["out"], tensors.get("bias"),
-            *tensors.get("residuals", ())]
+    if not isinstance(tensors, dict):
+        raise InvalidInputError(f"GEMM tensors are a dict {{a, b, out, c?, bias?, residuals?}}, got {type(tensors).__name__}")
+    return [tensors.get("a"), tensors.get("b"), tensors.get("c"), tensors.get("out"), tensors.get("bias"),
+            *(tensors.get("residuals") or ())]
+
+
+def written_slots(problem: GemmProblem) -> tuple[int, Optional[int]]:
+    """The td_args slot the kernel writes (D) and the one slot that may be exactly the same tensor (C)."""
+    return 3, 2
+
+
+def slot_names(problem: GemmProblem, count: int) -> list[str]:
+    return ["A", "B", "C", "out", "bias", *(f"residual {i}" for i in range(count - 5))]
 
 
 def operands_for(problem: GemmProblem, tensors: dict) -> Operands:
     """Operands from a dict {a, b, out, c?, bias?, residuals?}, checked against the problem."""
+    if not isinstance(tensors, dict):
+        raise InvalidInputError(f"GEMM tensors are a dict {{a, b, out, c?, bias?, residuals?}}, got {type(tensors).__name__}")
     unknown = set(tensors) - {"a", "b", "out", "c", "bias", "residuals"}
     if unknown or not {"a", "b", "out"} <= set(tensors):
         raise InvalidInputError(f"GEMM tensors are a, b, out and optionally c, bias, residuals; got {sorted(tensors)}")
@@ -218,6 +283,8 @@ def _fit_strides(v: ArrayView, letter: str, batch: int) -> tuple:
 def make_args(problem: GemmProblem, key: KernelKey, ops: Optional[Operands] = None, *, alpha: float = 1.0,
               beta: float = 0.0, clamp: tuple[float, float] = (float("-inf"), float("inf")),
               raster: int = 0, swizzle: int = 0) -> abi.TdArgs:
+    alpha, beta = real_scalar("alpha", alpha), real_scalar("beta", beta)
+    clamp = clamp_pair(clamp)
     sig = key.signature
     p = problem
     args = abi.TdArgs()

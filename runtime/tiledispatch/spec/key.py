@@ -84,6 +84,8 @@ class Signature:
             _check_enum(name, getattr(self, name), tuple(DTYPES))
         if not isinstance(self.epilogue, Epilogue):
             raise ValueError(f"epilogue: expected an Epilogue, got {self.epilogue!r}")
+        if not isinstance(self.spatial_dims, int) or isinstance(self.spatial_dims, bool):
+            raise ValueError(f"spatial_dims: expected an integer, got {self.spatial_dims!r}")
         if self.op == "gemm":
             _check_enum("layout", self.layout, GEMM_LAYOUTS)
             if self.direction != "none" or self.spatial_dims != 0:
@@ -145,6 +147,11 @@ class Algorithm:
                 raise ValueError(f"extras: field names are '<backend>.<field>', got {name!r}")
             if not isinstance(value, (bool, int, str)):
                 raise ValueError(f"extras: {name} must be a bool, int or str, got {value!r}")
+            # values become part of the kernel's name: non-negative integers and lower-case identifiers only
+            if (isinstance(value, int) and not isinstance(value, bool) and value < 0) or \
+                    (isinstance(value, str) and not re.fullmatch(r"[a-z][a-z0-9_]*", value)):
+                raise ValueError(f"extras: {name} must be a non-negative integer or a lower-case identifier, "
+                                 f"got {value!r}")
         object.__setattr__(self, "extras", tuple(sorted(extras.items())))
 
     def extra(self, name: str, default: Any = None) -> Any:

@@ -91,9 +91,14 @@ def namespace(key: KernelKey) -> dict[str, Any]:
     return ns
 
 
+@functools.lru_cache(maxsize=None)
+def _compiled(expr: str):
+    return compile(expr, "<rule>", "eval")
+
+
 def _evaluate(expr: str, ns: dict, rule_id: str) -> Any:
     try:
-        return eval(expr, {"__builtins__": {}}, ns)  # noqa: S307 - our own data files
+        return eval(_compiled(expr), {"__builtins__": {}}, ns)  # noqa: S307 - our own data files
     except Exception as e:  # a broken rule is a bug in the rules file, say which
         raise RuntimeError(f"rule {rule_id}: cannot evaluate {expr!r}: {e}") from e
 
