@@ -469,6 +469,7 @@ def test_bad_scalars_and_options_are_refused(reg):
         (dict(kernel=5), "kernel must be a Kernel of this registry or a kernel name, got 5"),
         (dict(activation=["relu"]), r"unknown activation \['relu'\]"),  # unhashable: no plan-cache TypeError
         (dict(alpha=[1.0]), "alpha must be a real number"),
+        (dict(beta=np.ones((2, 2))), "beta must be a real number"),  # not numpy's ambiguous-truth ValueError
         (dict(stream="s"), "stream must be a raw CUDA/HIP stream handle"),
     ]
     for out in (None, np.zeros((32, 24), np.float32)):
@@ -479,6 +480,7 @@ def test_bad_scalars_and_options_are_refused(reg):
     close(clamp_res, reference.gemm(a, w.T, residuals=res, activation="clamp", clamp=(-0.5, np.inf)))
     x, w4, _ = conv_arrays()
     for kwargs, message in [(dict(alpha=float("nan")), "alpha must be finite"),
+                            (dict(beta=np.ones(3)), "beta must be a real number"),
                             (dict(stride=1.0), "conv stride must be an integer or 2 integers"),
                             (dict(stride=True), "conv stride must be an integer"),
                             (dict(foo=1), r"conv fwd: unknown option\(s\) foo")]:

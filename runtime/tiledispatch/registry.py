@@ -244,6 +244,7 @@ class Registry:
                 return out
         from .ops import gemm as gemm_op
 
+        alpha, beta = gemm_op.real_scalar("alpha", alpha), gemm_op.real_scalar("beta", beta)
         if beta != 0 and c is None:
             raise InvalidInputError("beta != 0 needs c")
         if self.device != "cpu" and type(a) is np.ndarray:

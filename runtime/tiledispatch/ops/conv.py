@@ -461,6 +461,7 @@ def _run(registry, direction: str, x, w, y, *, alpha: float, beta: float, kernel
         raise InvalidInputError(f"conv {direction}: unknown option(s) {', '.join(unknown)} (known: alpha, beta, kernel, "
                                 f"stream, num_threads, {', '.join(GEOMETRY_OPTIONS)})")
     written = {"x": x, "w": w, "y": y}[WRITES[direction]]
+    alpha, beta = real_scalar("alpha", alpha), real_scalar("beta", beta)
     if beta != 0 and written is None:
         raise InvalidInputError("beta != 0 reads the previous contents of the output: pass out=")
     problem, ops = operands(direction, x, w, y, **geo)
