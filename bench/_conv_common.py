@@ -9,10 +9,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
-from tiledispatch import abi, cuda  # noqa: E402
+from tiledispatch import abi, backends, cuda  # noqa: E402
 from tiledispatch.ops import conv, conv_as_gemm, gemm  # noqa: E402
 from tiledispatch.plan import bind  # noqa: E402
-from tiledispatch.spec import rules  # noqa: E402
 
 TORCH_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -41,32 +40,9 @@ def expected_refusal(key, problem):
     if alg.extra("cutlass.rows", 0) and (problem.stride[-1] != 1
                                          or (problem.filter_size[-1] - 1) * problem.dilation[-1] > 8):
         return "row form"  # the depthwise row form: unit stride along W, taps within 16 columns
-    if alg.pipeline in ("direct", "direct_mma") and problem.spatial_dims == 2 and problem.direction in ("fwd", "bwd_weight"):
-        # a 2D direct tile keeps one input halo plane (fp16) in shared memory with the block's weights (fwd,
-        # fp32; direct_mma: fp16 mma B fragments, 16 x 8 per pair of 8-channel taps and 8 lanes, halo pixels padded
-        # to an odd number of 16-byte pieces) or its dY tile (fp16) and sums (fp32) (bwd_weight); a large filter with
-        # stride and dilation 2 can outgrow it (the kernel says so; selection falls back)
-        (tw, lanes, th), (fy, fx) = alg.tile, problem.filter_size
-        (sy, sx), (dy, dx) = problem.stride, problem.dilation
-        pixels = ((th - 1) * sy + (fy - 1) * dy + 1) * ((tw - 1) * sx + (fx - 1) * dx + 1)
-        if alg.pipeline == "direct_mma":
-            cpg = alg.extra("cutlass.cpg", 0)
-            cbs = -(-(lanes if lanes % cpg == 0 else cpg) // 8) * 8
-            pitch = cbs + 8 if cbs % 16 == 0 else cbs
-            if problem.direction == "bwd_weight":  # the halo, the dY tile (the same padded pitch) and the sums
-                need = (pixels + th * tw) * pitch * 2 + fy * fx * cpg * lanes * 4
-                if alg.extra("cutlass.rows", 0):  # their transposed copies
-                    need += (pixels + 8 * th + th * tw + 8) * lanes * 2
-            else:
-                ksteps = -(-(fy * fx * max(1, cpg // 8)) // 2)
-                need = pixels * pitch * 2 + ksteps * lanes // 8 * 256
-        elif problem.direction == "fwd":
-            need = pixels * lanes * 2 + fy * fx * lanes * 4
-        else:
-            cg, kg = problem.c // problem.g, problem.k // problem.g
-            channels = max(1, lanes // kg) * cg  # the halo's channels: the groups of the block's lanes
-            need = pixels * channels * 2 + th * tw * lanes * 2 + fy * fx * cg * lanes * 4
-        if need > rules.archs(key.backend)[key.arch]["smem_bytes"]:
+    if alg.pipeline in ("direct", "direct_mma"):
+        family = backends.family_of(key)  # its shared-memory footprint on the problem, against the arch's limit
+        if family.module.problem_smem_bytes(problem, key) > backends.get(key.backend).archs[key.arch]["smem_bytes"]:
             return "bytes of shared memory"
     return None
 

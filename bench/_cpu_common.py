@@ -9,7 +9,8 @@ import time
 
 import numpy as np
 
-from tiledispatch.backends import cpu
+from tiledispatch import backends
+from tiledispatch.generator import toolchains
 
 
 def median_ms(fn, repeat: int, warmup: int = 1) -> float:
@@ -32,8 +33,8 @@ def machine() -> dict:
         blas = {"name": cfg["Build Dependencies"]["blas"]["name"], "version": cfg["Build Dependencies"]["blas"]["version"]}
     except Exception:  # older numpy has no dict form
         pass
-    return {"cpu": model, "cores": os.cpu_count(), "arch": cpu.detect_arch(), "python": platform.python_version(),
-            "numpy": np.__version__, "blas": blas, "compiler": cpu.toolchain().identity,
+    return {"cpu": model, "cores": os.cpu_count(), "arch": backends.get("cpu").detect_arch(), "python": platform.python_version(),
+            "numpy": np.__version__, "blas": blas, "compiler": toolchains.get("cpu").toolchain().identity,
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
 
 

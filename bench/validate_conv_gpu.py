@@ -152,7 +152,7 @@ def check_kernels(registries, cases_cache, rng) -> list[dict]:
     return results
 
 
-# tma_ws_conv bwd_weight splits its pixel sum into S k ranges on persistent CTAs (templates/cutlass/_conv_sm90_wgrad.j2);
+# tma_ws_conv bwd_weight splits its pixel sum into S k ranges on persistent CTAs (templates/cutlass/conv_tma_ws/_conv_sm90_wgrad.j2);
 # per rank, problems (N, C, K, spatial, filter) tried in order until each wanted kind of split is found for the
 # kernel's tile: S = 1, S > 1 with uneven k ranges, S > 1 with K not a multiple of tile m (padded partial rows),
 # more tiles than resident CTAs (unsplit, each CTA looping over tiles); each also with alpha/beta.
@@ -167,9 +167,12 @@ SPLIT_PROBLEMS = {
 
 def wgrad_split(p, key) -> tuple[int, int, int, int]:
     """(S, units, ktiles, resident CTAs) of the kernel on the problem (the ranker models its rule)."""
-    from tiledispatch.selection import compute_units, conv_partials_split, resident_ctas
-    s, tiles, ktiles, _ = conv_partials_split(p, key)
-    return s, tiles * s, ktiles, compute_units(key.backend, key.arch) * resident_ctas(key)
+    from tiledispatch import backends
+    from tiledispatch.selection import compute_units
+
+    family = backends.family_of(key)  # conv_tma_ws: the split its kernel chooses
+    s, tiles, ktiles, _ = family.module.conv_partials_split(p, key)
+    return s, tiles * s, ktiles, compute_units(key.backend, key.arch) * family.resident_ctas(key)
 
 
 def split_cases(key) -> list:

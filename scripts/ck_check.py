@@ -31,9 +31,11 @@ from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
-from tiledispatch import codegen, kernelset  # noqa: E402
-from tiledispatch.backends import ck_tile  # noqa: E402
-from tiledispatch.spec import rules  # noqa: E402
+from tiledispatch.generator import codegen, kernelset  # noqa: E402
+from tiledispatch.generator import toolchains  # noqa: E402
+
+ck_tile = toolchains.get("ck_tile")
+from tiledispatch.generator import rules  # noqa: E402
 from tiledispatch.spec.key import Algorithm, KernelKey, Signature, parse_kernel_name  # noqa: E402
 
 
@@ -76,7 +78,7 @@ def negative_controls(arch: str = "gfx942") -> list[tuple[KernelKey, str]]:
 
 def render_unchecked(key: KernelKey) -> str:
     """Render without the legality rules: only for negative controls."""
-    render_module = importlib.import_module("tiledispatch.codegen.render")
+    render_module = importlib.import_module("tiledispatch.generator.codegen")
     with mock.patch.object(render_module.rules, "check", return_value=[]):
         return codegen.render(key)
 

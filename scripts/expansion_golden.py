@@ -27,8 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "runtime"))
 
 from tiledispatch import selection, validation  # noqa: E402
-from tiledispatch import kernelset  # noqa: E402
-from tiledispatch.spec import rules  # noqa: E402
+from tiledispatch.generator import kernelset  # noqa: E402
+from tiledispatch.generator import rules  # noqa: E402
 from tiledispatch.spec.key import KernelKey  # noqa: E402
 from tiledispatch.ops.conv import ConvProblem  # noqa: E402
 from tiledispatch.ops.gemm import GemmProblem  # noqa: E402

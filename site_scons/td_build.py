@@ -31,11 +31,11 @@ import SCons.Util
 from SCons.Script import Action, Builder
 
 from tiledispatch import abi, backends, bundle
-from tiledispatch import codegen
+from tiledispatch.generator import codegen, toolchains
 from tiledispatch.spec.key import KernelKey
 
 RUNTIME_PKG = Path(abi.__file__).resolve().parent
-GENERATOR_DIRS = ("spec", "codegen")
+GENERATOR_DIRS = ("spec", "generator")
 RECORD_SUFFIX = ".sha256"   # a cache entry's record: the sha256 of its bytes when it was stored
 RESERVED_NAMES = ("src", "lib", "check")  # build_dir's own subdirectories
 
@@ -182,7 +182,7 @@ def _render_action(target, source, env):
 
 def _compile_action(target, source, env):
     key = KernelKey.from_json(env["TD_KEY"])
-    backend = backends.get(key.backend)
+    backend = toolchains.check(key.backend) if env["TD_MODE"] == "check" else toolchains.get(key.backend)
     out = str(target[0])
     tmp = f"{out}.tmp{os.getpid()}{threading.get_ident()}"
     if env["TD_MODE"] == "check":
@@ -246,13 +246,15 @@ def generator_files(backend_name: str) -> list[str]:
     files = []
     for d in GENERATOR_DIRS:
         files += sorted(str(p) for p in (RUNTIME_PKG / d).rglob("*") if p.suffix in (".py", ".yaml"))
-    files += [str(RUNTIME_PKG / "backends" / "__init__.py"), str(RUNTIME_PKG / "backends" / f"{backend_name}.py")]
+    files += [str(RUNTIME_PKG / "backends.py")]
+    folder = backends.get(backend_name).path
+    files += sorted(str(p) for p in folder.rglob("*") if p.suffix in (".py", ".yaml"))
     return files
 
 
 def add_kernels(env, entries, *, backend_name: str, mode: str, build_dir: str, templates_root: str):
     """Render and compile every entry; returns {key name: .so (or check output) node}."""
-    backend = backends.get(backend_name)
+    backend = toolchains.check(backend_name) if mode == "check" else toolchains.get(backend_name)
     tc = backend.check_toolchain() if mode == "check" else backend.toolchain()
     if mode == "check":  # the whole check command is its identity, less the paths of this checkout
         def flags_of(key, tc):  # (the ABI header's content is a dependency of its own)

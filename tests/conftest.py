@@ -51,7 +51,8 @@ def copy_repo(dest: Path) -> Path:
     for name in BUILD_INPUTS:
         src = REPO / name
         if src.is_dir():
-            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+            shutil.copytree(src, dest / name, symlinks=True,  # runtime/tiledispatch/families -> templates
+                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         else:
             shutil.copy2(src, dest / name)
     return dest
@@ -87,7 +88,8 @@ def toolchain_or_reason(backend):
 def compile_keys(backend, toolchain, keys, out: Path, timeout: int = 900) -> dict:
     """Render and compile keys in parallel (one compiler process each) into out; {key: (library, log)}.
     A failing compile fails the caller with the compiler's output."""
-    from tiledispatch import abi, codegen
+    from tiledispatch import abi
+    from tiledispatch.generator import codegen
 
     procs = {}
     for key in keys:
@@ -113,13 +115,13 @@ def build_cpu_bundle(build: Path, name: str, set_text: str, *more_sets: str):
     """Write set_text as kernel set `name` in build, build it (with more_sets) for the cpu backend into
     build/name, through the session's kernel cache, and load the bundle."""
     import tiledispatch as td
-    from tiledispatch.backends import cpu
+    from tiledispatch import backends
 
     spec = build / f"{name}.yaml"
     spec.write_text(set_text)
     if set(more_sets) & set(CPU_GEMM_SETS):
         wait_for_prebuild()
-    scons(REPO, f"kernels={','.join((*more_sets, str(spec)))}", "backend=cpu", f"arch={cpu.detect_arch()}",
+    scons(REPO, f"kernels={','.join((*more_sets, str(spec)))}", "backend=cpu", f"arch={backends.get('cpu').detect_arch()}",
           f"build_dir={build}", f"cache_dir={SESSION.get('cache_dir', build / 'cache')}", f"bundle={name}")
     return td.load(build / name)
 

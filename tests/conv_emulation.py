@@ -19,7 +19,8 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "runtime"))
 
-from tiledispatch import abi, codegen, validation  # noqa: E402
+from tiledispatch import abi, validation  # noqa: E402
+from tiledispatch.generator import codegen  # noqa: E402
 from tiledispatch.ops import conv  # noqa: E402
 from tiledispatch.spec.key import Algorithm, Epilogue, KernelKey, Signature  # noqa: E402
 

@@ -50,7 +50,7 @@ def test_build_incremental_and_cached(repo):
     assert summary(second)["compiled"] == 0 and summary(second)["up_to_date"] == 3
 
     # a code change in one activation template rebuilds exactly the kernels that use it
-    relu = repo / "templates" / "cpu" / "activation" / "relu.j2"
+    relu = repo / "templates" / "cpu" / "gemm" / "activation" / "relu.j2"
     relu.write_text(relu.read_text().replace("v > Cmp(0) ? v : Cmp(0)", "v >= Cmp(0) ? v : Cmp(0)"))
     third = build(repo)
     assert summary(third)["compiled"] == 1
@@ -74,14 +74,14 @@ def test_build_incremental_and_cached(repo):
 @pytest.mark.slow
 def test_compiler_flags_enter_the_build_identity(repo):
     build(repo)
-    rules = repo / "runtime" / "tiledispatch" / "backends" / "cpu.py"
+    rules = repo / "templates" / "cpu" / "toolchain.py"
     rules.write_text(rules.read_text().replace('"-fno-math-errno"', '"-fno-math-errno", "-fno-plt"'))
     again = build(repo)
     assert summary(again)["compiled"] == 3
 
 
 def test_failing_config_names_itself(repo):
-    gemm = repo / "templates" / "cpu" / "activation" / "silu.j2"
+    gemm = repo / "templates" / "cpu" / "gemm" / "activation" / "silu.j2"
     gemm.write_text("this is not C++\n")
     proc = build(repo, "build", "cache", "-k", check=False)
     assert proc.returncode != 0

@@ -2,19 +2,28 @@
 what it must (by name), and the command builders say what the recipe says."""
 from __future__ import annotations
 
+import importlib
 import re
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tiledispatch import codegen, kernelset
-from tiledispatch.backends import Toolchain, ck_tile
+from tiledispatch import backends
+from tiledispatch.generator import codegen, kernelset
+from tiledispatch.generator import toolchains
+from tiledispatch.generator.toolchains import Toolchain
 from tiledispatch.errors import SpecError
-from tiledispatch.spec import rules
+from tiledispatch.generator import rules
 from tiledispatch.spec.key import Algorithm, Epilogue, KernelKey, Signature, parse_kernel_name
 
 ARCHS = ("gfx90a", "gfx942", "gfx950")
+ck_tile = toolchains.get("ck_tile")
+ck_common = importlib.import_module("tiledispatch.families.ck_tile.common")  # the symbol map
+
+
+def _context(key):
+    return backends.family_of(key).context(key)
 
 
 def preselected_ck_tile() -> dict[tuple[str, str], list[KernelKey]]:
@@ -50,12 +59,12 @@ def test_every_preselected_config_renders(set_arch):
         assert key.to_json() in text                       # the .so reports its own key
         assert f"__{key.arch}__" in text                     # and refuses to compile for another arch
         assert re.search(r'extern "C"', text) and "td_run" in text and "td_can_run" in text
-        pipeline_class, _ = ck_tile._PIPELINE[key.algorithm.pipeline]
+        pipeline_class, _ = ck_common._PIPELINE[key.algorithm.pipeline]
         assert f"ck_tile::{pipeline_class}<Problem>" in text
         tile = ", ".join(map(str, key.algorithm.tile))
         assert f"kTileM = {key.algorithm.tile[0]}, kTileN = {key.algorithm.tile[1]}, kTileK = {key.algorithm.tile[2]}" in text, tile
         if key.signature.op == "conv":
-            assert ck_tile._CONV_KERNEL[key.signature.direction] in text
+            assert ck_common._CONV_KERNEL[key.signature.direction] in text
         # templates stay dumb: no Jinja left, nothing undeclared rendered
         assert "{{" not in text and "{%" not in text
 
@@ -118,7 +127,7 @@ def test_illegal_config_names_its_rule(rule_id):
 
 
 def test_every_rule_in_the_yaml_has_a_test():
-    data = yaml.safe_load(Path(rules.RULES_DIR / "ck_tile.yaml").read_text())
+    data = rules.backend_rules("ck_tile")  # its rules.yaml and its families'
     assert {r["id"] for r in data["rules"]} <= set(ILLEGAL)
 
 
@@ -146,17 +155,17 @@ def test_illegal_config_in_a_kernel_set_names_file_and_rule(tmp_path):
 
 
 def test_symbol_map():
-    ctx = ck_tile.context(_gemm(arch="gfx950", dtypes=("fp8e4m3", "fp8e5m2", "fp16", "fp32"), tile=(128, 128, 64),
+    ctx = _context(_gemm(arch="gfx950", dtypes=("fp8e4m3", "fp8e5m2", "fp16", "fp32"), tile=(128, 128, 64),
                                 pipeline="compv4", layout="crr"))
     assert ctx["ck_type"] == {"a": "ck_tile::fp8_t", "b": "ck_tile::bf8_t", "c": "ck_tile::half_t", "acc": "float"}
     assert ctx["double_smem"] and ctx["pipeline_class"] == "GemmPipelineAgBgCrCompV4"
     assert ctx["layout"]["a"].endswith("ColumnMajor") and ctx["layout"]["b"].endswith("RowMajor")
     assert ctx["lds_bytes"] == 163840 and ctx["cshuffle"]
-    conv = ck_tile.context(_conv(direction="bwd_data", dims=3))
+    conv = _context(_conv(direction="bwd_data", dims=3))
     assert conv["gemm_roles"] == {"a": "Y", "b": "W", "c": "X"}
     assert conv["conv_layout"] == {"in": "NDHWGC", "wei": "GKZYXC", "out": "NDHWGK"}
     assert conv["vector"] == {"a": 8, "b": 8, "c": 8}          # 16 bytes of fp16
-    assert ck_tile.context(_conv(extras={"vector_b": 4}))["vector"]["b"] == 4
+    assert _context(_conv(extras={"vector_b": 4}))["vector"]["b"] == 4
 
 
 FAKE_CHECK = ck_tile.CheckToolchain(compiler="/usr/bin/clang-19", identity="fake", include_dirs=("/ck", "/hip"),
@@ -235,7 +244,7 @@ def test_rocm_toolchain_identity_covers_compiler_and_headers(monkeypatch, tmp_pa
         ck_tile.toolchain.cache_clear()
         ck_tile._tree_hash.cache_clear()
         assert ck_tile.toolchain().identity != tc.identity
-        ok, why = ck_tile.available()     # compiler and headers, but no GPU here
+        ok, why = toolchains.available("ck_tile")     # compiler and headers, but no GPU here
         assert ok == Path("/dev/kfd").exists(), why
     finally:
         ck_tile.toolchain.cache_clear()

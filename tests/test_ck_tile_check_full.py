@@ -6,8 +6,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, scons, summary
-from tiledispatch import kernelset
-from tiledispatch.backends import ck_tile
+from tiledispatch.generator import kernelset
+from tiledispatch.generator import toolchains
+
+ck_tile = toolchains.get("ck_tile")
 
 ARCHS = ("gfx90a", "gfx942", "gfx950")
 

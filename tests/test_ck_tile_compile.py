@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tiledispatch.backends import ck_tile
-from tiledispatch.spec import rules
+from tiledispatch.generator import toolchains
+
+ck_tile = toolchains.get("ck_tile")
+from tiledispatch.generator import rules
 from tiledispatch.spec.key import parse_kernel_name
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))

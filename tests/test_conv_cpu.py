@@ -16,11 +16,13 @@ import pytest
 
 from conftest import build_cpu_bundle
 from tiledispatch import validation
-from tiledispatch.backends import cpu
+from tiledispatch import backends
+from tiledispatch.generator import toolchains
 from tiledispatch.errors import InvalidInputError, UnsupportedProblemError
 from tiledispatch.ops import conv
 
-ARCH = cpu.detect_arch()
+ARCH = backends.get("cpu").detect_arch()
+cpu = toolchains.get("cpu")
 DIRECTIONS = ("fwd", "bwd_data", "bwd_weight")
 DTYPES = ("fp32", "fp16", "bf16")
 ESSENTIAL = "conv_fp16_all_essential"
@@ -343,7 +345,7 @@ def test_kernel_checks_the_abi_arguments(conv_registry):
 
 
 def test_conv_epilogues_are_a_named_rule():
-    from tiledispatch.spec import rules
+    from tiledispatch.generator import rules
     from tiledispatch.spec.key import Algorithm, Epilogue, KernelKey, Signature
 
     key = KernelKey(Signature("conv", "fp16", "fp16", "fp16", "fp32", "nhwgc", Epilogue("relu"), "fwd", 2),
@@ -353,7 +355,7 @@ def test_conv_epilogues_are_a_named_rule():
 
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_tiling_shapes_the_generated_code(direction):
-    from tiledispatch.codegen.render import render
+    from tiledispatch.generator.codegen import render
     from tiledispatch.spec.key import Algorithm, KernelKey, Signature
 
     key = KernelKey(Signature("conv", "bf16", "bf16", "bf16", "fp32", "nhwgc", direction=direction, spatial_dims=3),
@@ -362,7 +364,7 @@ def test_tiling_shapes_the_generated_code(direction):
     assert "constexpr int MC = 96, NC = 48, KC = 200;" in src
     assert "constexpr int MR = 6, NR = 16;" in src
     assert "constexpr int S = 3;" in src
-    assert f"templates/cpu/conv_{direction}.cpp.j2" in src
+    assert f"templates/cpu/conv_packed/conv_{direction}.cpp.j2" in src
 
 
 @pytest.mark.slow
@@ -391,7 +393,7 @@ def test_generic_arch_fp16_conversions(tmp_path, direction, pipeline):
     import subprocess
 
     from tiledispatch import abi
-    from tiledispatch.codegen.render import render
+    from tiledispatch.generator.codegen import render
     from tiledispatch.registry import Kernel, Registry
     from tiledispatch.spec.key import Algorithm, KernelKey, Signature
 

@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 
 from conftest import compile_keys, toolchain_or_reason
-from tiledispatch import abi, backends
+from tiledispatch import abi
+from tiledispatch.generator import toolchains
 from tiledispatch.ops import gemm as gemm_op
 from tiledispatch.spec.key import Algorithm, Epilogue, KernelKey, Signature
 
-cutlass = backends.get("cutlass")
+cutlass = toolchains.get("cutlass")
 TOOLCHAIN, WHY = toolchain_or_reason(cutlass)
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(TOOLCHAIN is None, reason=f"cutlass toolchain missing: {WHY}")]
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 import pytest
 
 from conftest import compile_keys, toolchain_or_reason
-from tiledispatch import abi, backends
+from tiledispatch import abi
+from tiledispatch.generator import toolchains
 from tiledispatch.ops import conv
-from tiledispatch.selection import partials_split
+from tiledispatch import backends
 from tiledispatch.spec.key import Algorithm, Epilogue, KernelKey, Signature
 
-cutlass = backends.get("cutlass")
+cutlass = toolchains.get("cutlass")
 TOOLCHAIN, WHY = toolchain_or_reason(cutlass)
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(TOOLCHAIN is None, reason=f"cutlass toolchain missing: {WHY}")]
 
@@ -97,7 +98,7 @@ def test_sm90_host_checks_without_a_device(libraries):
 
     args = conv.make_args(wgrad(), SM90)
     assert lib.can_run(args) == (abi.OK, "")  # our checks and CUTLASS's can_implement, host only
-    # the split, decided without a device, is the ranker's (selection.partials_split): S fp32 partials of
+    # the split, decided without a device, is the ranker's (conv_tma_ws.partials_split): S fp32 partials of
     # (K rounded up to 64) x taps x C (tiles: ceil(K / 64) x taps x ceil(C / 128), C padded per tap)
     for problem, slices in ((wgrad(), 4), (wgrad(n=32, size=(56, 56)), 14), (wgrad(n=5, c=512), 2),
                             (wgrad(n=32, c=256, k=64, pad=0, filt=(1, 1)), 20), (wgrad(n=8, c=512, k=512), 1),
@@ -106,7 +107,7 @@ def test_sm90_host_checks_without_a_device(libraries):
         m, n, red, _ = problem.gemm_shape(SM90)
         tiles = -(-m // 64) * -(-n // 128)
         rows, cols = -(-problem.k // 64) * 64, taps * problem.c
-        assert partials_split(SM90, tiles, -(-red // 64), rows * cols, 2)[0] == slices, problem
+        assert backends.family_of(SM90).module.partials_split(SM90, tiles, -(-red // 64), rows * cols, 2)[0] == slices, problem
         assert lib.workspace_bytes(conv.make_args(problem, SM90)) == -(-slices * rows * cols * 4 // 256) * 256, problem
     assert lib.can_run(conv.make_args(wgrad(n=5, c=512, stride=2), SM90)) == (abi.OK, "")
     assert "groups = 1" in _refusal(lib, wgrad(g=2)) and "direct or implicit_gemm" in _refusal(lib, wgrad(g=2))

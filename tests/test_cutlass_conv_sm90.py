@@ -3,15 +3,22 @@ rules with their ids, the CUTLASS types each direction and rank renders, and the
 between it and the project's own kernels."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from tiledispatch import backends, codegen, kernelset
+from tiledispatch import backends
+from tiledispatch.generator import codegen, kernelset
 from tiledispatch.ops import conv
 from tiledispatch.selection import analytic, estimated_cost
-from tiledispatch.spec import rules
+from tiledispatch.generator import rules
 from tiledispatch.spec.key import Algorithm, Epilogue, KernelKey, Signature, parse_kernel_name
 
 cutlass = backends.get("cutlass")
+
+
+def templates(key) -> list[str]:
+    return cutlass.family(key).templates(key)
 
 
 def key(direction="fwd", rank=2, tile=(128, 128, 64), dtype="fp16", warps=(4, 1, 1), mma=None, cluster=(1, 1, 1),
@@ -122,7 +129,7 @@ def test_render_shapes_cluster_stages_and_dtype():
     assert "using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;" in text
     assert "cutlass::conv::collective::StageCount<5>," in text and "StageCountAutoCarveout" not in text
     assert "using Element = cutlass::bfloat16_t;" in text and "using T = __nv_bfloat16;" in text
-    assert cutlass.templates(key()) == ["conv_sm90.cu.j2", "_conv_common.j2", "_tma_driver.j2"]
+    assert templates(key()) == ["conv_sm90.cu.j2", "_conv_common.j2", "_tma_driver.j2"]
 
 
 def test_bwd_weight_splits_the_pixel_sum_and_finalizes():
@@ -142,7 +149,7 @@ def test_bwd_weight_splits_the_pixel_sum_and_finalizes():
     assert "constexpr int OCCUPANCY = 1;" in text
     for gone in ("wgrad_slices", "SliceParams", "MAX_SLICES", "slice_args"):
         assert gone not in text
-    assert cutlass.templates(key("bwd_weight")) == ["conv_sm90.cu.j2", "_conv_common.j2", "_tma_driver.j2",
+    assert templates(key("bwd_weight")) == ["conv_sm90.cu.j2", "_conv_common.j2", "_tma_driver.j2",
                                                     "_conv_sm90_wgrad.j2", "_conv_sm90_wgrad_abi.j2"]
 
 
@@ -174,7 +181,7 @@ def test_two_consumer_warpgroups_run_our_kernel_body(direction):
     assert "mainloop_params.num_consumers = MMA_THREADS;" in text and "epi_load_params.consumer_arv_count = MMA_THREADS;" in text
     assert "warpgroup_reg_alloc<CONSUMER_REGISTERS>" in text and "warpgroup_reg_dealloc<PRODUCER_REGISTERS>" in text
     assert "mma_thread, storage.tensors.mainloop, params.mainloop);" in text
-    assert cutlass.templates(k)[-1] == "_conv_sm90_consumers.j2"
+    assert templates(k)[-1] == "_conv_sm90_consumers.j2"
     one = codegen.render(key(direction, 1, (128, 128, 64)))
     assert "TwoConsumerConv" not in one and "TwoWarpgroupMma" not in one
     assert "using ConvKernel = cutlass::conv::kernel::ConvUniversal<" in one
@@ -189,7 +196,7 @@ def test_two_consumer_bwd_weight_keeps_its_split_body():
     assert "mainloop.mma(pipeline, mma_state, acc, count, mma_thread," in text
     assert "warpgroup_reg_alloc<CONSUMER_REGISTERS>" in text  # the producer's registers to both consumers
     assert "warpgroup_reg_alloc" not in codegen.render(key("bwd_weight", 1, (128, 128, 64)))
-    assert "_conv_sm90_consumers.j2" not in cutlass.templates(k)
+    assert "_conv_sm90_consumers.j2" not in templates(k)
 
 
 @pytest.mark.parametrize("direction", ["fwd", "bwd_weight"])
@@ -287,16 +294,20 @@ def test_strided_bwd_data_falls_back_to_implicit_gemm():
 def test_runtime_split_is_modelled_for_bwd_weight_only():
     own = KernelKey(Signature("conv", "fp16", "fp16", "fp16", "fp32", "nhwgc", Epilogue(), "bwd_weight", 2),
                     Algorithm((64, 128, 32), "implicit_gemm", (2, 2, 1), (16, 8, 16), "data_parallel"), "cutlass", "sm90a")
-    assert rules.runtime_split(own).get("waves") == 2 and rules.runtime_split(own).get("over") is None
+    igemm = cutlass.family(own)
+    # a few output tiles with a long reduction: splits until the blocks fill 2 waves, at most one per k tile
+    assert igemm.runtime_split(own, 4, 64 * 32, 132) == 64 and igemm.runtime_split(own, 4, 10 * 32, 132) == 10
+    assert igemm.runtime_split(own.replace(signature=replace(own.signature, direction="fwd")), 4, 64 * 32, 132) == 1
     tma = key("bwd_weight", 2, (64, 128, 64))
-    assert rules.runtime_split(tma) == {"when": rules.runtime_split(tma)["when"], "over": "partials",
-                                        "epilogue_ktiles": 2}
-    assert rules.runtime_split(key("fwd")) == {} and rules.runtime_split(key("bwd_data")) == {}
+    p = _problem("bwd_weight", 32, 256, 64, (56, 56), (1, 1), pad=0)
+    assert cutlass.family(tma).partials_cost(p, tma) is not None and cutlass.family(tma).module.EPILOGUE_KTILES == 2
+    assert cutlass.family(tma).partials_cost(p, key("fwd")) is None
+    assert cutlass.family(tma).partials_cost(p, key("bwd_data")) is None
 
 
 def _split(n, c, k, sp, f, tile=(64, 128, 64), occupancy=0):
     """(S, units, cost) the ranker models for a tma_ws_conv bwd_weight key: choose_splits' rule."""
-    from tiledispatch.selection import conv_partials_split
+    conv_partials_split = cutlass.family(key()).module.conv_partials_split
     extras = (("cutlass.occupancy", occupancy),) if occupancy else ()
     kk = key("bwd_weight", len(sp), tile, stages=4 if occupancy else 0, extras=extras)
     s, tiles, _, cost = conv_partials_split(_problem("bwd_weight", n, c, k, sp, f, pad=1 if f[0] == 3 else 0), kk)
@@ -327,7 +338,7 @@ def test_split_of_tma_ws_conv_bwd_weight(n, c, k, sp, f, tile, occupancy, splits
 
 
 def test_split_cost_counts_waves_and_partials():
-    from tiledispatch.selection import partials_split
+    partials_split = cutlass.family(key()).module.partials_split
     kk = key("bwd_weight", 2, (64, 64, 64))
     # splits never start a second wave of units; more tiles than CTAs: unsplit, the cost counts its waves
     assert partials_split(kk, 67, 1000, 0, 2)[0] == 1
@@ -345,7 +356,7 @@ def test_split_estimate_is_the_kernels_cost():
     p = _problem("bwd_weight", 32, 256, 64, (56, 56), (1, 1), pad=0)
     kk = key("bwd_weight", 2, (64, 64, 64))
     s, units, cost = _split(32, 256, 64, (56, 56), (1, 1), (64, 64, 64))
-    assert estimated_cost(p, kk) == pytest.approx(cost * 64 * 64 * 64 / min(1.0, 32 / 96) * rules.cost_factor(kk))
+    assert estimated_cost(p, kk) == pytest.approx(cost * 64 * 64 * 64 / min(1.0, 32 / 96) * cutlass.family(kk).cost_factor(kk))
 
 
 def test_cluster_grid_rounding_is_modelled():

@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 
 import tiledispatch as td  # noqa: E402
 from tiledispatch import backends, cuda  # noqa: E402
+from tiledispatch.generator import toolchains  # noqa: E402
 
 from conftest import REPO, scons  # noqa: E402
 
@@ -53,7 +54,7 @@ def registry(tmp_path_factory):
     path = os.environ.get("TD_CUTLASS_BUNDLE")
     if not path:
         try:
-            backends.get("cutlass").toolchain()
+            toolchains.get("cutlass").toolchain()
         except RuntimeError as e:
             pytest.skip(f"no prebuilt bundle ($TD_CUTLASS_BUNDLE) and no toolchain: {e}")
         build = tmp_path_factory.mktemp("cutlass_gpu")

@@ -7,11 +7,17 @@ import re
 
 import pytest
 
-from tiledispatch import backends, codegen, kernelset
-from tiledispatch.spec import rules
+from tiledispatch import backends, drivers
+from tiledispatch.generator import codegen, kernelset
+from tiledispatch.generator import toolchains
+from tiledispatch.generator import rules
 from tiledispatch.spec.key import Algorithm, Epilogue, KernelKey, Signature, parse_kernel_name
 
-cutlass = backends.get("cutlass")
+cutlass = toolchains.get("cutlass")
+
+
+def context(key) -> dict:
+    return backends.family_of(key).context(key)
 
 
 def sm90(dtype="fp16", out=None, layout="rcr", tile=(128, 256, 64), pipeline="tma_ws_cooperative",
@@ -82,23 +88,23 @@ def test_fp8_needs_sm90a():
 
 
 def test_symbol_map():
-    ctx = cutlass.context(sm90("fp8e4m3", out="bf16", tile=(128, 256, 128), extras=(("cutlass.fp8_fast_accum", True),)))
+    ctx = context(sm90("fp8e4m3", out="bf16", tile=(128, 256, 128), extras=(("cutlass.fp8_fast_accum", True),)))
     assert ctx["ctype"]["a"] == "cutlass::float_e4m3_t" and ctx["ctype"]["c"] == "cutlass::bfloat16_t"
     assert ctx["kernel_schedule"] == "cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8FastAccum"
     assert ctx["align"] == {"a": 16, "b": 16, "c": 8}
-    ctx = cutlass.context(sm90("int8", tile=(128, 256, 128)))
+    ctx = context(sm90("int8", tile=(128, 256, 128)))
     assert ctx["compute"] == "double" and ctx["int_out"]  # exact int32 results
-    ctx = cutlass.context(sm80("fp32", tile=(128, 128, 16)))
+    ctx = context(sm80("fp32", tile=(128, 128, 16)))
     assert ctx["ctype"]["a"] == "cutlass::tfloat32_t" and ctx["warp_tile"] == [64, 64, 16] and ctx["stages"] == 4
-    assert cutlass.context(sm80(tile=(128, 256, 64), warps=(2, 4, 1)))["stages"] == 3
+    assert context(sm80(tile=(128, 256, 64), warps=(2, 4, 1)))["stages"] == 3
 
 
 def test_sm90_default_tile_order():
-    small = cutlass.context(sm90(tile=(64, 128, 64), pipeline="tma_ws_pingpong"))
+    small = context(sm90(tile=(64, 128, 64), pipeline="tma_ws_pingpong"))
     assert (small["default_raster"], small["default_swizzle"]) == ("AlongM", 2)
-    clustered = cutlass.context(sm90(tile=(64, 128, 64), pipeline="tma_ws_pingpong", cluster=(2, 1, 1)))
+    clustered = context(sm90(tile=(64, 128, 64), pipeline="tma_ws_pingpong", cluster=(2, 1, 1)))
     assert (clustered["default_raster"], clustered["default_swizzle"]) == ("AlongM", 1)
-    tall = cutlass.context(sm90(tile=(256, 128, 64)))
+    tall = context(sm90(tile=(256, 128, 64)))
     assert (tall["default_raster"], tall["default_swizzle"]) == ("Heuristic", 1)
     assert "RasterOrder::AlongM;" in codegen.render(sm90(tile=(64, 128, 64), pipeline="tma_ws_pingpong"))
 
@@ -139,12 +145,12 @@ def test_preselected_sets_have_both_archs():
 
 
 def test_compile_flags():
-    tc = backends.Toolchain(compiler="nvcc", identity="x")
+    tc = toolchains.Toolchain(compiler="nvcc", identity="x")
     flags = cutlass.compile_flags(sm90(), tc)
     assert {"-O3", "-DNDEBUG", "-std=c++17", "--expt-relaxed-constexpr", "-shared"} <= set(flags)
     assert "-gencode=arch=compute_90a,code=sm_90a" in flags
     assert any(f.startswith("-gencode=arch=compute_80,code=") for f in cutlass.compile_flags(sm80(), tc))
-    cmd = cutlass.compile_command(sm90(), backends.Toolchain("nvcc", "x", ("/cutlass/include",)), "k.cu", "k.so",
+    cmd = cutlass.compile_command(sm90(), toolchains.Toolchain("nvcc", "x", ("/cutlass/include",)), "k.cu", "k.so",
                                   ["/abi"])
     assert cmd[0] == "nvcc" and "-I/abi" in cmd and cmd[cmd.index("-isystem") + 1] == "/cutlass/include"
 
@@ -158,9 +164,10 @@ def test_toolchain_identity_names_nvcc_and_cutlass():
 
 
 def test_arch_detection_mapping():
-    assert cutlass._arch_of("9.0") == "sm90a"
-    assert cutlass._arch_of("8.6") == "sm80" and cutlass._arch_of("8.0") == "sm80"
-    assert cutlass._arch_of("7.5") is None and cutlass._arch_of("10.0") is None
+    archs = backends.get("cutlass").archs  # the one cc -> arch map: the archs' cc / ptx facts
+    assert drivers.arch_of_cc("9.0", archs) == "sm90a"
+    assert drivers.arch_of_cc("8.6", archs) == "sm80" and drivers.arch_of_cc("8.0", archs) == "sm80"
+    assert drivers.arch_of_cc("7.5", archs) is None and drivers.arch_of_cc("10.0", archs) is None
 
 
 def direct_conv(direction="fwd", rank=2, extras=(), tile=(32, 64, 8), mma=(8, 4, 1), pipeline="direct"):

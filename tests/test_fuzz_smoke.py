@@ -9,7 +9,7 @@ sizes around the tile edges, anything up to a few hundred), batch and broadcast 
 dimensions, alpha / beta and the epilogue's inputs; each conv case a direction, rank, dtype, groups (dense,
 grouped, depthwise, narrow), stride, dilation and asymmetric padding. Inputs are random and never zero; the
 output is poisoned (NaN, or INT32_MIN) before the call. The tolerances are the cpu rules' (`tolerance` in
-spec/rules/cpu.yaml).
+templates/cpu/__init__.py).
 
 The seed is TD_FUZZ_SEED when set, else random; every failure names it: `TD_FUZZ_SEED=<seed> python3 -m
 pytest tests/test_fuzz_smoke.py` replays the run.
@@ -24,14 +24,14 @@ import secrets
 import ml_dtypes
 import numpy as np
 import pytest
-import yaml
 
 from conftest import CPU_GEMM_SETS, REPO, build_cpu_bundle
+from tiledispatch import backends
 
 SEED = int(os.environ.get("TD_FUZZ_SEED") or secrets.randbits(32))
 GEMM_CASES = 500
 CONV_CASES = 200
-TOLERANCE = yaml.safe_load((REPO / "runtime/tiledispatch/spec/rules/cpu.yaml").read_text())["tolerance"]
+TOLERANCE = backends.get("cpu").tolerance
 NUMPY = {"fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16, "int8": np.int8, "int32": np.int32}
 # what fp32 accumulation of a few hundred products rounds by, relative to the sum of their magnitudes: about
 # 2 ulps (1.2e-7) for random signs; 8x headroom

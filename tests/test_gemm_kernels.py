@@ -8,11 +8,12 @@ import pytest
 
 import tiledispatch as td
 from conftest import CPU_GEMM_SETS
-from tiledispatch import kernelset, reference, validation
-from tiledispatch.backends import cpu
+from tiledispatch import reference, validation
+from tiledispatch.generator import kernelset
+from tiledispatch import backends
 from tiledispatch.ops.gemm import GemmProblem
 
-ARCH = cpu.detect_arch()
+ARCH = backends.get("cpu").detect_arch()
 KERNELS = sorted({e.key.name: e.key for s in CPU_GEMM_SETS for e in kernelset.load(s, "cpu", ARCH)}.items())
 SIZES = (1, 7, 129, 1000)
 

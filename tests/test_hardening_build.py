@@ -15,9 +15,10 @@ import pytest
 import yaml
 
 from conftest import copy_repo, summary
-from tiledispatch import bundle, kernelset
+from tiledispatch import bundle
+from tiledispatch.generator import kernelset
 from tiledispatch.errors import SpecError
-from tiledispatch.spec import rules
+from tiledispatch.generator import rules
 from tiledispatch.spec.key import Algorithm, KernelKey, Signature
 
 # one small kernel: fp32 rcr on the generic arch (any x86-64 runs it)

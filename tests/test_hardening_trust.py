@@ -21,8 +21,10 @@ import pytest
 
 import tiledispatch as td
 from conftest import REPO, scons
-from tiledispatch import abi, bundle, codegen, kernelset
-from tiledispatch.backends import cpu, get as get_backend
+from tiledispatch import abi, bundle
+from tiledispatch.generator import codegen, kernelset
+from tiledispatch import backends
+from tiledispatch.generator import toolchains
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="checks Linux mappings and ELF files")
 
@@ -63,7 +65,7 @@ def built(tmp_path_factory) -> Path:
     build = tmp_path_factory.mktemp("trust_build")
     spec = build / "trust_set.yaml"
     spec.write_text(SET)
-    scons(REPO, f"kernels={spec}", "backend=cpu", f"arch={cpu.detect_arch()}", f"build_dir={build}",
+    scons(REPO, f"kernels={spec}", "backend=cpu", f"arch={backends.get('cpu').detect_arch()}", f"build_dir={build}",
           f"cache_dir={build / 'cache'}", "bundle=trust")
     return build / "trust"
 
@@ -86,7 +88,7 @@ def write_manifest(bundle_dir: Path, manifest) -> None:
 def foreign_library(tmp_path: Path, key_definition: str, marker: Path) -> Path:
     src, lib = tmp_path / "foreign.cpp", tmp_path / "foreign.so"
     src.write_text(FOREIGN.replace("@MARKER@", str(marker)).replace("@KEY@", key_definition))
-    subprocess.run([cpu.toolchain().compiler, "-std=c++17", "-shared", "-fPIC", f"-I{abi.INCLUDE_DIR}", str(src),
+    subprocess.run([toolchains.get("cpu").toolchain().compiler, "-std=c++17", "-shared", "-fPIC", f"-I{abi.INCLUDE_DIR}", str(src),
                     "-o", str(lib)], check=True, capture_output=True)
     return lib
 
@@ -269,7 +271,7 @@ def test_every_main_template_defines_the_key_with_the_macro():
     for backend, arch in (("cpu", "x86v4"), ("cutlass", "sm90a"), ("cutlass", "sm80"), ("ck_tile", "gfx942")):
         for name in sorted(kernelset.available_sets()):
             for entry in kernelset.expand_file(kernelset.find(name), backend, arch):
-                seen.setdefault((backend, get_backend(backend).templates(entry.key)[0]), entry.key)
+                seen.setdefault((backend, backends.family_of(entry.key).templates(entry.key)[0]), entry.key)
     mains = {(p.parent.name, p.name) for p in (REPO / "templates").glob("*/*.j2")
              if "TD_DEFINE_KERNEL_KEY" in p.read_text()}
     assert mains <= set(seen), f"no preselected kernel renders {sorted(mains - set(seen))}"

@@ -3,7 +3,7 @@ import textwrap
 
 import pytest
 
-from tiledispatch import kernelset
+from tiledispatch.generator import kernelset
 from tiledispatch.errors import SpecError
 
 

@@ -84,7 +84,7 @@ def test_parse_rejects_non_names(name):
 
 
 def test_an_extra_at_its_default_is_the_same_kernel():
-    from tiledispatch.spec import rules
+    from tiledispatch.generator import rules
 
     extras = rules.backend_rules("ck_tile")["extras"]
     name, spec = next((n, s) for n, s in extras.items() if "default" in s)

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import REPO, SESSION, scons
 from test_fuzz_smoke import TOLERANCE, conv_ref
-from tiledispatch import kernelset
+from tiledispatch.generator import kernelset
 
 BLOCKS = re.findall(r"^```python\n(.*?)^```", (REPO / "README.md").read_text(), re.S | re.M)
 LOAD = re.compile(r"""td\.load\(["']build/([\w+]+)["']""")

@@ -1,15 +1,16 @@
 """Backends as the runtime sees them: their facts, their kernel families and their device driver.
 
 Each backend is a folder of templates/, which is the package `tiledispatch.families` (runtime/tiledispatch/
-families links to it, so a checkout, an editable install and an installed wheel see the same package). Its
-__init__.py registers the backend with register(): the facts every layer reads (the device its data lives on,
-its archs and their properties, the pipeline / scheduler / extra-field vocabulary of its keys, validation
-tolerances, ranker knobs) as plain Python data, and its Driver (drivers.py). Its kernel families are the
-subfolders that hold an __init__.py, each a small pure-Python module (its templates, render context, cost model
-for the ranker and resource limits): adding a family is adding a folder. Registration checks the driver and every
-family module and names what is missing in one line.
+families is a link to it, so a checkout, an editable install, the SCons build and an installed wheel see the same
+package). Its __init__.py registers the backend with register(): the facts every layer reads (the device its data
+lives on, its archs and their properties, the pipeline / scheduler / extra-field vocabulary of its keys,
+validation tolerances, ranker knobs) as plain Python data, and its Driver (drivers.py). Its kernel families are
+the subfolders that hold an __init__.py, each a small pure-Python module (its templates, render context, cost
+model for the ranker and resource limits): adding a family is adding a folder. Registration checks the driver and
+every family module and names what is missing in one line. The backend's toolchain.py and rules.yaml files are
+the generator's (tiledispatch.generator), never imported here.
 
-Nothing here imports the generator (rules, templates rendering, toolchains): the runtime needs numpy alone.
+Nothing here imports the generator (rules, template rendering, toolchains): the runtime needs numpy alone.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from types import ModuleType
 from typing import Any, Callable, Mapping, Optional
 
 from .drivers import DRIVER_API, Driver
+
+FAMILIES_PACKAGE = f"{__package__}.families"
 
 # What a family module must define, and what it may (the defaults below otherwise).
 FAMILY_REQUIRED = {
@@ -40,8 +43,8 @@ FAMILY_OPTIONAL = {
 
 
 def _default_gemm_view(problem, key) -> tuple[int, int, int, int]:
-    if problem.op == "conv":
-        return problem.gemm_shape()
+    if hasattr(problem, "gemm_shape"):  # a conv problem: the implicit GEMM its direction performs
+        return problem.gemm_shape(key)
     return problem.m, problem.n, problem.k, problem.batch
 
 
@@ -120,13 +123,13 @@ def register(name: str, path, *, device: str, auto_priority: int, archs: dict, p
              tolerance: dict, selection: dict, driver: Driver) -> Backend:
     """A backend from its facts and driver, its families found in the subfolders of `path` (the package's
     __path__) that hold an __init__.py. Raises RegistrationError naming what is missing."""
-    folder = Path(list(path)[0] if not isinstance(path, (str, Path)) else path)
+    folder = Path(list(path)[0] if not isinstance(path, (str, Path)) else path).resolve()
     missing = [m for m in DRIVER_API if not callable(getattr(driver, m, None))]
     if missing or getattr(driver, "device", None) != device:
         raise RegistrationError(f"backend {name}: its driver {type(driver).__name__} lacks "
                                 f"{', '.join(missing) or f'device {device!r}'} (the Driver interface, drivers.py)")
     families = []
-    package = f"{__package__}.families.{name}"
+    package = f"{FAMILIES_PACKAGE}.{name}"
     for info in sorted(pkgutil.iter_modules([str(folder)]), key=lambda i: i.name):
         if not info.ispkg:
             continue

@@ -182,14 +182,12 @@ def device_name(device: Optional[int] = None) -> str:
 
 
 def device_arch(device: Optional[int] = None) -> str:
-    """The cutlass arch name of a device: "sm90a" for compute capability 9.0, "sm80" for 8.x,
-    else "sm<major><minor>" (which no cutlass bundle targets)."""
+    """The cutlass arch name of a device (the cc -> arch map of drivers.arch_of_cc over the cutlass archs: "sm90a"
+    for compute capability 9.0, "sm80" for 8.x), else "sm<major><minor>" (which no cutlass bundle targets)."""
+    from . import backends, drivers
+
     major, minor = compute_capability(device)
-    if (major, minor) == (9, 0):
-        return "sm90a"
-    if major == 8:
-        return "sm80"
-    return f"sm{major}{minor}"
+    return drivers.arch_of_cc(f"{major}.{minor}", backends.get("cutlass").archs) or f"sm{major}{minor}"
 
 
 def versions() -> dict:

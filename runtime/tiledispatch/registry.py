@@ -12,13 +12,12 @@ from typing import Callable, Optional, Union
 import numpy as np
 
 from . import abi, arrays, bundle, selection, tuning
-from .backends import get as get_backend
+from . import backends
 from .ops import get as ops_get
 from .ops.conv import ConvProblem
 from .ops.gemm import GemmProblem, clamp_pair
 from .plan import Plan, bind, fingerprint, raise_for_status
 from .errors import BundleError, InvalidInputError, UnsupportedProblemError
-from .spec import rules
 from .spec.key import KernelKey
 
 
@@ -62,7 +61,7 @@ class Registry:
         self.ops = {k.key.signature.op for k in kernels}  # e.g. {"gemm", "conv"}
         self.backend, self.arch = backend, arch
         self.manifest = manifest or {}
-        self.device = rules.backend_rules(backend)["device"]
+        self.device = backends.get(backend).device
         self.autotune = autotune
         self.tuning = tuning_cache or tuning.TuningCache(tuning.default_path())
         self._device_identity: Optional[str] = None
@@ -316,7 +315,7 @@ class Registry:
             raise InvalidInputError(f"this {self.backend} bundle runs on {self.device} memory; the arrays are on "
                                     f"{', '.join(sorted(devices))}")
         if not self._checked_runnable:
-            ok, why = get_backend(self.backend).runnable(self.arch)
+            ok, why = backends.get(self.backend).runnable(self.arch)
             if not ok:
                 raise BundleError(f"bundle built for {self.backend}/{self.arch} cannot run here: {why}")
             self._checked_runnable = True

@@ -1,12 +1,12 @@
 """Validation on random data: inputs that are never zeros, outputs poisoned first, and a per-dtype
-tolerance on ||out - ref|| / ||ref|| (from the backend's rules data)."""
+tolerance on ||out - ref|| / ||ref|| (the backend's facts, templates/<backend>/__init__.py)."""
 from __future__ import annotations
 
 from math import prod
 
 import numpy as np
 
-from .spec import rules
+from . import backends
 from .spec.dtypes import dtype, numpy_dtype
 from .spec.key import KernelKey
 
@@ -31,7 +31,7 @@ def dtype_kind(a: np.ndarray) -> str:
 
 
 def tolerance(key: KernelKey) -> float:
-    table = rules.backend_rules(key.backend).get("tolerance") or {}
+    table = backends.get(key.backend).tolerance
     if key.signature.dtype_c not in table:
         raise ValueError(f"no validation tolerance for output {key.signature.dtype_c} in the {key.backend} rules")
     return float(table[key.signature.dtype_c])

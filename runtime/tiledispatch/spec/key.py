@@ -173,9 +173,9 @@ class KernelKey:
             if name.split(".")[0] != self.backend:
                 raise ValueError(f"extras: {name} belongs to another backend than {self.backend}")
         # an extra spelled out at its default is the same kernel as the extra omitted: one key, one name
-        from . import rules
+        from .. import backends
 
-        declared = rules.all_rules().get(self.backend, {}).get("extras") or {}
+        declared = backends.get(self.backend).extras if self.backend in backends.names() else {}
         kept = tuple((n, v) for n, v in self.algorithm.extras
                      if "default" not in declared.get(n.split(".", 1)[1], {})
                      or declared[n.split(".", 1)[1]]["default"] != v)
@@ -302,9 +302,9 @@ def parse_kernel_name(name: str, vocabulary=None) -> KernelKey:
     the rules table) gives the spellings back. Raises ValueError for anything that is not a name
     `kernel_name` could have produced.
     """
-    from . import rules  # the vocabulary of backend-specific values lives in the rules data
+    from .. import backends  # the vocabulary of backend-specific values is the backends' facts
 
-    vocab = vocabulary or rules.vocabulary()
+    vocab = vocabulary or backends.vocabulary()
     tokens = name.split("_")
     if len(tokens) < 14:
         raise ValueError(f"not a kernel name (too few fields): {name!r}")

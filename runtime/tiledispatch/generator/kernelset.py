@@ -41,12 +41,12 @@ from typing import Any, Iterable
 
 import yaml
 
-from .errors import SpecError
-from .spec import rules
-from .spec.key import Algorithm, Epilogue, KernelKey, Signature
+from ..errors import SpecError
+from . import rules
+from ..spec.key import Algorithm, Epilogue, KernelKey, Signature
 
 SET_SCHEMA_VERSION = 1
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 SEARCH_DIRS = (REPO_ROOT / "preselected", REPO_ROOT / "kernel_specs")
 
 MAX_KERNELS = 10_000           # kernel configurations one build may declare (scons max_kernels=)

@@ -1,14 +1,14 @@
-"""Legality rules, read from the data files in rules/ (one per backend).
+"""Legality rules, read from each backend folder's rules.yaml (templates/<backend>/rules.yaml) and the
+rules.yaml of its family folders, on top of the backend's facts (templates/<backend>/__init__.py: archs with their
+properties, pipeline / scheduler vocabulary, namespaced extra fields, tolerances).
 
-A rules file lists a backend's archs (with their properties), ops, legal dtype combinations and
-layouts per op, its pipeline / scheduler vocabulary, its namespaced extra fields, the fields it
-fixes, and constraints written as Python expressions over the key's flattened fields. This module
-only evaluates that data: it names no backend.
+A rules file lists a backend's ops, legal dtype combinations and layouts per op, the fields it fixes, and
+constraints written as Python expressions over the key's flattened fields. This module only evaluates that data:
+it names no backend.
 """
 from __future__ import annotations
 
 import functools
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,11 +16,14 @@ from typing import Any
 
 import yaml
 
-from .dtypes import dtype as _dtype
-from .key import KernelKey
+from .. import backends
+from ..spec.dtypes import dtype as _dtype
+from ..spec.key import KernelKey
 
-RULES_DIR = Path(__file__).with_name("rules")
+RULES_FILE = "rules.yaml"
 RULES_SCHEMA_VERSION = 1
+# what the rules read of the backend's facts (backends.Backend), under the names the rules data always had
+FACTS = ("device", "auto_priority", "archs", "pipeline", "scheduler", "extras", "tolerance", "selection")
 
 
 @dataclass(frozen=True)
@@ -32,16 +35,36 @@ class Violation:
         return f"rule {self.rule}: {self.message}"
 
 
+def rules_files(backend: str) -> list[Path]:
+    """The backend's rules file and its families' (in family order), the ones that exist."""
+    b = backends.get(backend)
+    return [p for p in (b.path / RULES_FILE, *(f.path / RULES_FILE for f in b.families)) if p.is_file()]
+
+
+def _load(backend: str) -> dict:
+    """The backend's facts and its rules data: the backend's rules file, then each family's `rules` appended."""
+    data: dict = {}
+    for path in rules_files(backend):
+        part = yaml.safe_load(path.read_text()) or {}
+        if part.get("schema") != RULES_SCHEMA_VERSION or part.get("backend") != backend:
+            raise ValueError(f"{path}: rules schema {part.get('schema')!r} of backend {part.get('backend')!r}, "
+                             f"expected schema {RULES_SCHEMA_VERSION} of backend {backend}")
+        clash = sorted((set(part) & set(FACTS)) | (set(part) & set(data) - {"schema", "backend", "rules"}))
+        if clash:
+            raise ValueError(f"{path}: {', '.join(clash)} defined twice (facts belong to the backend's __init__.py)")
+        rules = data.get("rules", []) + (part.pop("rules", None) or [])
+        data.update(part, rules=rules)
+    b = backends.get(backend)
+    data.update(device=b.device, auto_priority=b.auto_priority, archs=dict(b.archs), pipeline=list(b.pipeline),
+                scheduler=list(b.scheduler), extras=dict(b.extras), tolerance=dict(b.tolerance),
+                selection=dict(b.selection))
+    return data
+
+
 @functools.lru_cache(maxsize=None)
 def all_rules() -> dict[str, dict]:
-    """backend name -> its rules, from every rules/*.yaml file."""
-    out = {}
-    for path in sorted(RULES_DIR.glob("*.yaml")):
-        data = yaml.safe_load(path.read_text())
-        if data.get("schema") != RULES_SCHEMA_VERSION:
-            raise ValueError(f"{path}: rules schema {data.get('schema')!r}, expected {RULES_SCHEMA_VERSION}")
-        out[data["backend"]] = data
-    return out
+    """backend name -> its rules (with the facts they read), for every backend."""
+    return {name: _load(name) for name in backends.names()}
 
 
 def backend_rules(backend: str) -> dict:
@@ -53,19 +76,6 @@ def backend_rules(backend: str) -> dict:
 
 def archs(backend: str) -> dict[str, dict]:
     return backend_rules(backend)["archs"]
-
-
-@functools.lru_cache(maxsize=None)
-def vocabulary() -> dict:
-    """Every pipeline and scheduler spelling and every backend's extras, for name parsing."""
-    vocab = {"pipeline": set(), "scheduler": set(), "extras": {}}
-    for backend, data in all_rules().items():
-        vocab["pipeline"].update(data["pipeline"])
-        vocab["scheduler"].update(data["scheduler"])
-        vocab["extras"][backend] = data.get("extras") or {}
-    vocab["pipeline"] = sorted(vocab["pipeline"])
-    vocab["scheduler"] = sorted(vocab["scheduler"])
-    return vocab
 
 
 def namespace(key: KernelKey) -> dict[str, Any]:
@@ -154,30 +164,6 @@ def check(key: KernelKey) -> list[Violation]:
         if not _evaluate(rule["require"], ns, rule["id"]):
             out.append(Violation(rule["id"], _format(rule["message"], ns, rule["id"])))
     return out
-
-
-def _selection_entries(key: KernelKey, name: str):
-    """The entries of the rules' selection.<name> list whose `when` holds for the key, in order."""
-    entries = (backend_rules(key.backend).get("selection") or {}).get(name) or []
-    ns = namespace(key) if entries else None
-    for i, entry in enumerate(entries):
-        if _evaluate(entry["when"], ns, f"{key.backend}.selection.{name}[{i}]"):
-            yield entry
-
-
-@functools.lru_cache(maxsize=4096)
-def cost_factor(key: KernelKey) -> float:
-    """The product of the rules' selection.cost_factors whose `when` holds for the key (1.0 for none): how a
-    backend tells the analytic ranker that some kernels are slower than their tile shape suggests."""
-    return math.prod(float(entry["factor"]) for entry in _selection_entries(key, "cost_factors"))
-
-
-@functools.lru_cache(maxsize=4096)
-def runtime_split(key: KernelKey) -> dict:
-    """The rules' selection.runtime_splits entry for the key ({} for none): a kernel that splits its reduction at
-    run time, which the analytic ranker must model: until its blocks fill `waves` waves of the GPU, or, with
-    `over: partials`, by the persistent split-K cost model (selection.partials_split, `epilogue_ktiles`)."""
-    return dict(next(_selection_entries(key, "runtime_splits"), {}))
 
 
 def _extra_value_ok(spec: dict, value: Any) -> bool:

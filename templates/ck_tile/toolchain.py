@@ -1,4 +1,4 @@
-"""ck_tile backend: CK Tile GEMM and grouped-convolution sources for AMD gfx90a / gfx942 / gfx950.
+"""The ck_tile backend's toolchain (the generator's half of the backend, tiledispatch.generator.toolchains).
 
 Two ways to compile a rendered source:
 
@@ -16,100 +16,20 @@ import functools
 import hashlib
 import os
 import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..spec import rules
-from ..spec.dtypes import dtype
-from ..spec.key import KernelKey
-from . import Toolchain, tool_output
+from tiledispatch.abi import INCLUDE_DIR   # tiledispatch_abi.h
+from tiledispatch.drivers import rocm_path
+from tiledispatch.generator.toolchains import Toolchain, tool_output
 
 SOURCE_SUFFIX = ".hip"
 JOB_MEMORY_BYTES = 2 * 2**30          # measured: a compile check peaks near 1 GiB; a -O3 build needs more
-INCLUDE_DIR = Path(__file__).resolve().parents[1] / "include"   # tiledispatch_abi.h
-
-# ---- symbol map: our names -> CK Tile C++ ------------------------------------------------------------
-_CK_TYPE = {
-    "fp16": "ck_tile::half_t", "bf16": "ck_tile::bf16_t", "fp32": "float", "int8": "ck_tile::int8_t",
-    "int32": "ck_tile::int32_t",
-    # CK's fp8_t / bf8_t are OCP on gfx950 and FNUZ before it (rule ck_tile.fp8_encoding keeps them apart)
-    "fp8e4m3": "ck_tile::fp8_t", "fp8e5m2": "ck_tile::bf8_t",
-}
-_LAYOUT = {"r": "ck_tile::tensor_layout::gemm::RowMajor", "c": "ck_tile::tensor_layout::gemm::ColumnMajor"}
-_PIPELINE = {  # ours -> (pipeline class, its base class with the tail dispatch)
-    "mem": ("GemmPipelineAgBgCrMem", "BaseGemmPipelineAgBgCrMem"),
-    "compv3": ("GemmPipelineAgBgCrCompV3", "BaseGemmPipelineAgBgCrCompV3"),
-    "compv4": ("GemmPipelineAgBgCrCompV4", "BaseGemmPipelineAgBgCrCompV4"),
-}
-_DOUBLE_SMEM = {"mem": False, "compv3": False, "compv4": True}   # compv4 ping-pongs two LDS buffers
-_SCHEDULER = {"intrawave": "Intrawave", "interwave": "Interwave", "default": "Default"}
-# conv tensor layouts per spatial rank: input, weight, output (ck_tile::tensor_layout::convolution)
-_CONV_LAYOUTS = {1: ("NWGC", "GKXC", "NWGK"), 2: ("NHWGC", "GKYXC", "NHWGK"), 3: ("NDHWGC", "GKZYXC", "NDHWGK")}
-# per direction: which conv tensor is the implicit GEMM's A, B and C (X input, W weight, Y output)
-_CONV_ROLES = {"fwd": ("X", "W", "Y"), "bwd_data": ("Y", "W", "X"), "bwd_weight": ("Y", "X", "W")}
-_CONV_KERNEL = {"fwd": "GroupedConvolutionForwardKernel", "bwd_data": "GroupedConvolutionBackwardDataKernel",
-                "bwd_weight": "GroupedConvolutionBackwardWeightKernel"}
-_CONV_HOSTARGS = {"fwd": "GroupedConvFwdHostArgs<>", "bwd_data": "GroupedConvBwdDataHostArgs",
-                  "bwd_weight": "GroupedConvBwdWeightHostArgs"}
-_CONV_GEMM_TRAITS = {"fwd": "Fwd", "bwd_data": "BwdData", "bwd_weight": "BwdWeight"}
-# per direction: the channel count (C or K, per group) each of A / B / C's vector accesses runs along,
-# as CK's IsSupportedArgument checks them
-_CONV_VECTOR_DIM = {"fwd": ("C", "C", "K"), "bwd_data": ("K", "C", "C"), "bwd_weight": ("K", "C", "C")}
-
-
-def _extra(key: KernelKey, name: str):
-    spec = rules.backend_rules("ck_tile")["extras"][name]
-    return key.algorithm.extra(f"ck_tile.{name}", spec["default"])
-
-
-def templates(key: KernelKey) -> list[str]:
-    return [f"{key.signature.op}.hip.j2", "_common.j2", "_pipeline.j2"]
-
-
-def context(key: KernelKey) -> dict:
-    sig, alg = key.signature, key.algorithm
-    arch = rules.archs("ck_tile")[key.arch]
-    pipeline, base = _PIPELINE[alg.pipeline]
-    ctx = {
-        "ck_type": {r: _CK_TYPE[getattr(sig, f"dtype_{r}")] for r in ("a", "b", "c", "acc")},
-        "dtype_code": {r: dtype(getattr(sig, f"dtype_{r}")).code for r in ("a", "b", "c")},
-        "pipeline_class": pipeline, "pipeline_base": base,
-        "double_smem": _DOUBLE_SMEM[alg.pipeline],
-        "scheduler": _SCHEDULER[alg.scheduler],
-        "cshuffle": _extra(key, "epilogue") == "cshuffle",
-        "pad": {a: _extra(key, f"pad_{a}") for a in "mnk"},
-        "persistent": _extra(key, "persistent"),
-        "lds_bytes": arch["lds_bytes"],
-        "arch_macro": f"__{key.arch}__",
-    }
-    if sig.op == "gemm":
-        ctx["layout"] = {r: _LAYOUT[getattr(sig, f"layout_{r}")] for r in ("a", "b", "c")}
-        ctx["row_major"] = {r: getattr(sig, f"layout_{r}") == "r" for r in ("a", "b", "c")}
-    else:
-        x, w, y = _CONV_LAYOUTS[sig.spatial_dims]
-        dt = {"X": sig.dtype_a, "W": sig.dtype_b, "Y": sig.dtype_c}
-        roles = _CONV_ROLES[sig.direction]
-        vectors = {}
-        for r, role in zip(("a", "b", "c"), roles):
-            v = _extra(key, f"vector_{r}")
-            vectors[r] = v or 16 // dtype(dt[role]).itemsize
-        ctx.update({
-            "conv_layout": {"in": x, "wei": w, "out": y},
-            "gemm_roles": dict(zip(("a", "b", "c"), roles)),
-            "gemm_type": {r: _CK_TYPE[dt[role]] for r, role in zip(("a", "b", "c"), roles)},
-            "conv_kernel": _CONV_KERNEL[sig.direction],
-            "conv_hostargs": _CONV_HOSTARGS[sig.direction],
-            "conv_gemm_traits": _CONV_GEMM_TRAITS[sig.direction],
-            "vector": vectors,
-            "vector_dim": dict(zip(("a", "b", "c"), _CONV_VECTOR_DIM[sig.direction])),
-        })
-    return ctx
 
 
 # ---- real build (ROCm) -------------------------------------------------------------------------------
 def _rocm_path() -> Path:
-    return Path(os.environ.get("ROCM_PATH", "/opt/rocm"))
+    return rocm_path()
 
 
 def _find_hip_compiler() -> str | None:
@@ -168,7 +88,7 @@ def toolchain() -> Toolchain:
     return Toolchain(compiler=cxx, identity=identity, include_dirs=(str(ck),))
 
 
-def compile_flags(key: KernelKey, tc: Toolchain) -> list[str]:
+def compile_flags(key, tc: Toolchain) -> list[str]:
     flags = ["-x", "hip", "-std=c++20", "-O3", "-DNDEBUG", f"--offload-arch={key.arch}", "-fPIC", "-shared",
              "-fvisibility=hidden", "-Wno-unused-result",
              # CK's own build flag: keeps the noalias metadata conversion from slowing compiles down
@@ -178,7 +98,7 @@ def compile_flags(key: KernelKey, tc: Toolchain) -> list[str]:
     return flags
 
 
-def compile_command(key: KernelKey, tc: Toolchain, source: str, output: str, include_dirs) -> list[str]:
+def compile_command(key, tc: Toolchain, source: str, output: str, include_dirs) -> list[str]:
     incs = [f"-isystem{d}" for d in tc.include_dirs] + [f"-I{d}" for d in include_dirs]
     return [tc.compiler, *compile_flags(key, tc), *incs, source, "-o", output]
 
@@ -188,36 +108,7 @@ def available() -> tuple[bool, str]:
         return False, f"no hipcc / amdclang++ under ROCM_PATH={_rocm_path()}"
     if _find_ck_include() is None:
         return False, "no CK Tile headers (set CK_TILE_INCLUDE)"
-    if not os.path.exists("/dev/kfd"):
-        return False, "no AMD GPU (/dev/kfd missing)"
-    return True, "ROCm compiler, CK Tile headers and /dev/kfd found"
-
-
-@functools.lru_cache(maxsize=None)
-def detect_arch() -> str | None:
-    """The first gfx arch rocminfo lists that this backend knows, or None."""
-    rocminfo = shutil.which("rocminfo") or str(_rocm_path() / "bin" / "rocminfo")
-    try:
-        out = subprocess.run([rocminfo], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    known = rules.archs("ck_tile")
-    for line in out.splitlines():
-        words = line.replace(":", " ").split()
-        for w in words:
-            base = w.split(":")[0]
-            if base in known:
-                return base
-    return None
-
-
-def runnable(arch: str) -> tuple[bool, str]:
-    found = detect_arch()
-    if found is None:
-        return False, "no AMD GPU found (rocminfo lists no gfx9 agent)"
-    if found != arch:
-        return False, f"this machine's GPU is {found}, kernels are built for {arch}"
-    return True, ""
+    return True, "ROCm compiler and CK Tile headers found"
 
 
 # ---- compile check (no ROCm) -------------------------------------------------------------------------
@@ -269,7 +160,7 @@ def check_toolchain() -> CheckToolchain:
                           resource_dir=resource_dir)
 
 
-def check_command(key: KernelKey, tc: CheckToolchain, source: str, output: str) -> list[str]:
+def check_command(key, tc: CheckToolchain, source: str, output: str) -> list[str]:
     """The recipe's command for the key's own arch (device code guarded by arch macros compiles to
     nothing for another arch). The device IR (tens of MB) goes to /dev/null; on success `output`
     becomes a one-line stamp."""

@@ -1,0 +1,102 @@
+"""cutlass grouped convolution, pipelines direct and direct_mma (narrow groups and depthwise), the project's own
+CUDA: a block owns tile_m output pixels along the innermost spatial dim x tile_k rows along the next one (1 plane
+in 3D) x tile_n channel lanes over all groups; the block's input halo is copied once into shared memory (16-byte
+cp.async) and reused by every filter tap. direct sums the taps on CUDA cores, direct_mma on tensor cores (mma.sync
+over block-diagonal weights). bwd_weight blocks loop over many pixel tiles, reduce in shared memory and add into
+an fp32 workspace, then a second kernel applies alpha / beta. What the fields and the extras cpg / kpg / fx / fy /
+rows / occupancy mean: templates/cutlass/rules.yaml (rules cutlass.conv_direct_*)."""
+import math
+
+from .. import common
+
+
+def claims(key) -> bool:
+    return key.signature.op == "conv" and key.algorithm.pipeline in ("direct", "direct_mma")
+
+
+def templates(key) -> list[str]:
+    sig, alg = key.signature, key.algorithm
+    if alg.pipeline == "direct":
+        main = "conv_direct_bwd_weight.cu.j2" if sig.direction == "bwd_weight" else "conv_direct.cu.j2"
+        return [main, "_conv_common.j2", "_conv_direct.j2"]
+    if sig.direction == "bwd_weight":
+        rows = ["_conv_direct_wgrad_rows.j2"] if common.extra(key, "rows") else []
+        return ["conv_direct_bwd_weight.cu.j2", "_conv_common.j2", "_conv_direct.j2", "_conv_direct_wgrad_mma.j2",
+                "_mma_sync.j2"] + rows
+    return ["conv_direct.cu.j2", "_conv_common.j2", "_conv_direct.j2", "_conv_direct_mma.j2", "_mma_sync.j2"]
+
+
+def context(key) -> dict:
+    sig, alg = key.signature, key.algorithm
+    # lanes per group (LG) and reduction channels per group (RG), 0 = read at run time
+    cpg, kpg = common.extra(key, "cpg"), common.extra(key, "kpg")
+    lg, rg = (cpg, kpg) if sig.direction == "bwd_data" else (kpg, cpg)
+    return {
+        **common.conv_context(key),
+        "threads": alg.warps[0] * alg.warps[1] * 32, "lg": lg, "rg": rg,
+        # compile-time filter width / height (cutlass.fx / cutlass.fy), 0 = read at run time
+        "fx": common.extra(key, "fx"), "fy": common.extra(key, "fy"),
+        "tc": alg.pipeline == "direct_mma", "mma_type": common.MMA_TYPE.get(sig.dtype_a),
+        "rows": common.extra(key, "rows"),
+        # bwd_weight's register window: pixels along W a thread takes at a time (the largest of 4, 2, 1 dividing
+        # the tile width tile[0])
+        "pxw": next(n for n in (4, 2, 1) if alg.tile[0] % n == 0),
+    }
+
+
+def cost_factor(key) -> float:
+    """How the analytic ranker orders this family's kernels against kernels of the same tile shape that can run
+    the same problem (factors multiply):
+    - the generic direct kernel (channels per group read at run time, scalar shared-memory reads) is the fallback:
+      x4, below the specialized and tensor-core kernels;
+    - a direct kernel compiled for the problem's filter size keeps its input window in registers: 1.2-2x faster
+      than the run-time-filter kernels on depthwise 3x3 / 7x7 and C/G = 4 (bench/results/conv_run5,
+      conv_run7_explore): x0.5 (other filter sizes are refused by its td_can_run);
+    - direct_mma on C/G = K/G >= 4 took 0.89-0.92x the CUDA-core kernel's time on ResNeXt C/G = 4 (conv_run19)
+      while the tile model rates its narrower tiles ~2.6x costlier: x0.3, first where it runs; bwd_weight on tensor
+      cores took 0.51-0.87x the CUDA-core kernels' time (conv_run26_wgrad_mma): x0.3; depthwise fwd / bwd_data
+      (an eighth of each mma useful) took 1.3x: x2, after the CUDA-core kernels."""
+    alg, direction = key.algorithm, key.signature.direction
+    cpg, fx = common.extra(key, "cpg"), common.extra(key, "fx")
+    factors = []
+    if alg.pipeline == "direct" and cpg == 0:
+        factors.append(4.0)
+    if alg.pipeline == "direct" and fx > 0:
+        factors.append(0.5)
+    if alg.pipeline == "direct_mma" and (cpg >= 4 or direction == "bwd_weight"):
+        factors.append(0.3)
+    if alg.pipeline == "direct_mma" and cpg < 4 and direction != "bwd_weight":
+        factors.append(2.0)
+    return math.prod(factors)
+
+
+def problem_smem_bytes(problem, key) -> int:
+    """Shared memory a 2D fwd / bwd_weight block takes on a problem: one input halo plane (fp16) with the block's
+    weights (fwd: fp32; direct_mma: fp16 mma B fragments, 16 x 8 per pair of 8-channel taps and 8 lanes, halo
+    pixels padded to an odd number of 16-byte pieces) or its dY tile (fp16) and sums (fp32) (bwd_weight). A large
+    filter with stride and dilation 2 can outgrow the arch's limit (the kernel refuses the problem; selection takes
+    the next kernel). 0 for the problems whose footprint does not depend on the problem's geometry."""
+    alg = key.algorithm
+    if not (problem.spatial_dims == 2 and problem.direction in ("fwd", "bwd_weight")):
+        return 0
+    (tw, lanes, th), (fy, fx) = alg.tile, problem.filter_size
+    (sy, sx), (dy, dx) = problem.stride, problem.dilation
+    pixels = ((th - 1) * sy + (fy - 1) * dy + 1) * ((tw - 1) * sx + (fx - 1) * dx + 1)
+    if alg.pipeline == "direct_mma":
+        cpg = common.extra(key, "cpg")
+        cbs = -(-(lanes if lanes % cpg == 0 else cpg) // 8) * 8
+        pitch = cbs + 8 if cbs % 16 == 0 else cbs
+        if problem.direction == "bwd_weight":  # the halo, the dY tile (the same padded pitch) and the sums
+            need = (pixels + th * tw) * pitch * 2 + fy * fx * cpg * lanes * 4
+            if common.extra(key, "rows"):  # their transposed copies
+                need += (pixels + 8 * th + th * tw + 8) * lanes * 2
+        else:
+            ksteps = -(-(fy * fx * max(1, cpg // 8)) // 2)
+            need = pixels * pitch * 2 + ksteps * lanes // 8 * 256
+    elif problem.direction == "fwd":
+        need = pixels * lanes * 2 + fy * fx * lanes * 4
+    else:
+        cg, kg = problem.c // problem.g, problem.k // problem.g
+        channels = max(1, lanes // kg) * cg  # the halo's channels: the groups of the block's lanes
+        need = pixels * channels * 2 + th * tw * lanes * 2 + fy * fx * cg * lanes * 4
+    return need
