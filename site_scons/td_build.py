@@ -1,10 +1,12 @@
 """SCons builders: render -> compile -> bundle, one .so per kernel key. SCons wiring only.
 
-Build identity (what makes a kernel rebuild) is exactly:
-  render:  the key (a Value node), the templates the key uses, the generator modules (spec/,
-           codegen/, the backend's module), and this action's code;
-  compile: the rendered source, the ABI header, the compile flags and the toolchain identity
-           (compiler version, third-party header versions) through the action's varlist.
+Build identity (what makes a kernel rebuild) is exactly, derived per key by tiledispatch.generator.deps:
+  render:  the key (a Value node), the templates its family declares for it, the rules files, the Python
+           modules the rendering runs (the import closure of the generator's codegen, the key's family module
+           and its backend's module), and this action's code;
+  compile: the rendered source, our headers it includes (the ABI header), the backend's toolchain module, the
+           compile flags and the toolchain identity (compiler version, third-party header versions) through the
+           action's varlist.
 Change any of them and exactly the affected kernels rebuild; change none and nothing does.
 
 The CacheDir holds compiled kernels only (rendering is cheap, so sources are rendered, never fetched), each
@@ -31,11 +33,9 @@ import SCons.Util
 from SCons.Script import Action, Builder
 
 from tiledispatch import abi, backends, bundle
-from tiledispatch.generator import codegen, toolchains
+from tiledispatch.generator import codegen, deps, toolchains
 from tiledispatch.spec.key import KernelKey
 
-RUNTIME_PKG = Path(abi.__file__).resolve().parent
-GENERATOR_DIRS = ("spec", "generator")
 RECORD_SUFFIX = ".sha256"   # a cache entry's record: the sha256 of its bytes when it was stored
 RESERVED_NAMES = ("src", "lib", "check")  # build_dir's own subdirectories
 
@@ -241,17 +241,6 @@ def _unlink(path: str) -> None:
         pass
 
 
-def generator_files(backend_name: str) -> list[str]:
-    """Python modules and rule files whose change can change a rendered source."""
-    files = []
-    for d in GENERATOR_DIRS:
-        files += sorted(str(p) for p in (RUNTIME_PKG / d).rglob("*") if p.suffix in (".py", ".yaml"))
-    files += [str(RUNTIME_PKG / "backends.py")]
-    folder = backends.get(backend_name).path
-    files += sorted(str(p) for p in folder.rglob("*") if p.suffix in (".py", ".yaml"))
-    return files
-
-
 def add_kernels(env, entries, *, backend_name: str, mode: str, build_dir: str, templates_root: str):
     """Render and compile every entry; returns {key name: .so (or check output) node}."""
     backend = toolchains.check(backend_name) if mode == "check" else toolchains.get(backend_name)
@@ -262,7 +251,6 @@ def add_kernels(env, entries, *, backend_name: str, mode: str, build_dir: str, t
             return [arg.replace(str(abi.INCLUDE_DIR), "<abi>") for arg in cmd]
     else:
         flags_of = backend.compile_flags
-    gen_files = generator_files(backend_name)
     out = {}
     PROGRESS.total = len(entries)
     for entry in entries:
@@ -270,12 +258,12 @@ def add_kernels(env, entries, *, backend_name: str, mode: str, build_dir: str, t
         src = env.TdRender(f"{build_dir}/src/{codegen.source_name(key)}", env.Value(key.to_json()),
                            TD_TEMPLATES_ROOT=templates_root)
         env.NoCache(src)  # rendered, never fetched: only compiled kernels are cached (and verified)
-        env.Depends(src, [str(p) for p in codegen.template_files(key, Path(templates_root))] + gen_files)
+        env.Depends(src, [str(p) for p in deps.render_inputs(key, Path(templates_root))])
         suffix = ".check" if mode == "check" else ".so"
         lib = env.TdCompile(f"{build_dir}/{'check' if mode == 'check' else 'lib'}/{key.name}{suffix}", src,
                             TD_KEY=key.to_json(), TD_ORIGIN=entry.origin, TD_MODE=mode,
                             TD_FLAGS=" ".join(flags_of(key, tc)), TD_TOOLCHAIN=tc.identity)
-        env.Depends(lib, str(abi.INCLUDE_DIR / "tiledispatch_abi.h"))
+        env.Depends(lib, [str(p) for p in deps.compile_inputs(key, Path(templates_root))])
         out[key.name] = lib[0]
     return out
 
