@@ -1,24 +1,53 @@
 """Device drivers: what the runtime asks of the device a backend's kernels run on.
 
-A Driver tells which arch this machine's device is and whether it can run kernels built for an arch, from the
-backend's arch facts (templates/<backend>/__init__.py: cpu_flags, cc). A backend registers one (backends.register),
-which checks that it defines every method of DRIVER_API. Nothing here touches a GPU at import.
+A Driver says where the kernels' data lives (`device`, the kind arrays.view reports for an array on it), which
+arch this machine's device is and whether it can run kernels built for an arch (from the backend's arch facts,
+templates/<backend>/__init__.py: cpu_flags, cc), who the device is for tuning records (identity), which stream the
+caller's framework runs on (stream) and how to allocate device bytes next to an array (allocate: the registry keeps
+one workspace per device and stream with it). A backend registers one (backends.register), which checks that it
+defines every method of DRIVER_API and names what is missing in one line. Nothing here touches a GPU at import.
 """
 from __future__ import annotations
 
 import functools
 import os
+import platform
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
-DRIVER_API = ("present", "detect_arch", "runnable")
+DRIVER_API = ("present", "detect_arch", "runnable", "identity", "stream", "allocate")
 
 
 class Driver:
     """device: where the kernels' data lives ("cpu", "cuda", "hip")."""
     device = ""
+
+    def identity(self) -> str:
+        """What a tuning record is valid for: the device's model and size."""
+        raise NotImplementedError
+
+    def stream(self, like: Any) -> Optional[int]:
+        """The stream the framework that owns array `like` runs on now (None: the default stream, or none)."""
+        from .plan import current_stream  # the framework lookup (torch, cupy) lives with the plans that use it
+
+        return current_stream(like)
+
+    def allocate(self, nbytes: int, like: Any):
+        """nbytes of device memory from the framework that owns `like` (torch or cupy), an object that owns it."""
+        from .errors import InvalidInputError
+
+        module = type(like).__module__
+        if module.startswith("torch"):
+            import torch
+
+            return torch.empty(nbytes, dtype=torch.uint8, device=like.device)
+        if module.startswith("cupy"):
+            import cupy
+
+            return cupy.empty(nbytes, dtype=cupy.uint8)
+        raise InvalidInputError("this kernel needs a device workspace: pass torch or cupy arrays")
 
     def present(self) -> tuple[bool, str]:
         """Whether this machine has such a device, and what was found or is missing."""
@@ -46,9 +75,27 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def cpu_model() -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return model
+
+
 class CpuDriver(Driver):
-    """The host CPU; an arch's `cpu_flags` are the /proc/cpuinfo flags it needs."""
+    """The host CPU; an arch's `cpu_flags` are the /proc/cpuinfo flags it needs. Kernels run on the caller's
+    thread: no streams (and the cpu kernels ask for no workspace)."""
     device = "cpu"
+
+    def identity(self) -> str:
+        return f"cpu:{cpu_model()}:{os.cpu_count()} cpus"
+
+    def stream(self, like) -> Optional[int]:
+        return None
 
     def present(self) -> tuple[bool, str]:
         return True, "the host CPU"
@@ -105,6 +152,11 @@ class CudaDriver(Driver):
     `ptx` that it also carries PTX, which newer GPUs JIT-compile."""
     device = "cuda"
 
+    def identity(self) -> str:
+        from . import cuda
+
+        return f"cuda:{cuda.device_name()}:{cuda.multiprocessor_count()} SMs"
+
     def present(self) -> tuple[bool, str]:
         if os.path.exists("/dev/nvidia0") or shutil.which("nvidia-smi") is not None:
             return True, "an NVIDIA GPU"
@@ -145,6 +197,12 @@ def _rocminfo() -> str:
 class HipDriver(Driver):
     """AMD GPUs through ROCm; rocminfo names the gfx arch of each agent."""
     device = "hip"
+
+    def identity(self) -> str:
+        for line in _rocminfo().splitlines():  # the first GPU agent's marketing name
+            if "Marketing Name" in line and "CPU" not in line:
+                return f"hip:{line.split(':', 1)[1].strip()}"
+        return "hip:unknown"
 
     def present(self) -> tuple[bool, str]:
         if os.path.exists("/dev/kfd"):

@@ -229,7 +229,7 @@ def bind(registry, problem, kernel, operands, *, stream=None, num_threads: int =
     args.stream = current_stream(first) if stream is None and registry.device != "cpu" else stream
     need = kernel.library.workspace_bytes(args)
     if need:
-        args.workspace = registry.workspace(need, first)
+        args.workspace = registry.workspace(need, first, args.stream)
         args.workspace_bytes = need
     return args
 

@@ -67,7 +67,7 @@ class Registry:
         self._device_identity: Optional[str] = None
         self._checked_runnable = False
         self._plans: dict = {}  # gemm(): fingerprints and options -> Plan, oldest first
-        self._workspaces: dict = {}  # device -> [(buffer, bytes)], grow-only
+        self._workspaces: dict = {}  # (device, stream) -> [(buffer, bytes)], grow-only
 
     def __len__(self) -> int:
         return len(self.kernels)
@@ -133,7 +133,7 @@ class Registry:
 
     def _identity(self) -> str:
         if self._device_identity is None:
-            self._device_identity = tuning.device_identity(self.device)
+            self._device_identity = backends.get(self.backend).driver.identity()
         return self._device_identity
 
     def _tuned(self, problem, fits: list[Kernel]) -> Optional[Kernel]:
@@ -298,14 +298,15 @@ class Registry:
 
         return conv.bwd_weight(self, x, dy, out, **options)
 
-    def workspace(self, nbytes: int, like) -> int:
-        """A device buffer of at least nbytes, allocated once per device and grown, never per call.
-        Outgrown buffers stay alive, so a Plan that holds an older pointer stays valid."""
-        device = getattr(like, "device", None)
-        buffers = self._workspaces.setdefault(str(device), [])
+    def workspace(self, nbytes: int, like, stream=None) -> int:
+        """A device buffer of at least nbytes, allocated once per device and stream (kernels running at once on
+        two streams must not share scratch memory) and grown, never per call. Outgrown buffers stay alive, so a
+        Plan that holds an older pointer stays valid."""
+        slot = (str(getattr(like, "device", None)), stream)
+        buffers = self._workspaces.setdefault(slot, [])
         if not buffers or buffers[-1][1] < nbytes:
             size = max(nbytes, 2 * buffers[-1][1] if buffers else 0)
-            buffers.append((_allocate_device_bytes(size, like), size))
+            buffers.append((backends.get(self.backend).driver.allocate(size, like), size))
         obj = buffers[-1][0]
         return obj.data_ptr() if hasattr(obj, "data_ptr") else obj.data.ptr
 
@@ -319,20 +320,6 @@ class Registry:
             if not ok:
                 raise BundleError(f"bundle built for {self.backend}/{self.arch} cannot run here: {why}")
             self._checked_runnable = True
-
-
-def _allocate_device_bytes(nbytes: int, like):
-    """nbytes of device memory from the framework that owns `like` (torch or cupy)."""
-    module = type(like).__module__
-    if module.startswith("torch"):
-        import torch
-
-        return torch.empty(nbytes, dtype=torch.uint8, device=like.device)
-    if module.startswith("cupy"):
-        import cupy
-
-        return cupy.empty(nbytes, dtype=cupy.uint8)
-    raise InvalidInputError("this kernel needs a device workspace: pass torch or cupy arrays")
 
 
 def _no_kernel_message(problem, explained) -> str:

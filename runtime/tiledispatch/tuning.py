@@ -20,7 +20,6 @@ import fcntl
 import hashlib
 import json
 import os
-import platform
 import stat
 import statistics
 import tempfile
@@ -41,20 +40,11 @@ def default_path() -> Optional[Path]:
 
 
 def device_identity(device: str) -> str:
-    """What a tuning record is valid for: the GPU's name and SM count, or the CPU's model and core count."""
-    if device == "cuda":
-        from . import cuda
+    """What a tuning record is valid for: the identity the driver of a backend whose kernels run on `device`
+    gives (the GPU's name and SM count, or the CPU's model and core count)."""
+    from . import backends
 
-        return f"cuda:{cuda.device_name()}:{cuda.multiprocessor_count()} SMs"
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{device}:{model}:{os.cpu_count()} cpus"
+    return next(b.driver for b in backends.all_backends().values() if b.device == device).identity()
 
 
 def problem_key(problem, kernel_names) -> str:
