@@ -122,7 +122,7 @@ def conv_bwd_weight(x, dy, filter_spatial, stride, dilation, pad_lo, pad_hi) -> 
     return dw
 
 
-_ACTIVATIONS = {
+ACTIVATIONS = {  # name -> f(v, clamp low, clamp high); spec/key.py takes its activation names from here
     "identity": lambda v, lo, hi: v,
     "relu": lambda v, lo, hi: np.maximum(v, 0.0),
     "gelu_tanh": lambda v, lo, hi: 0.5 * v * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (v + 0.044715 * v ** 3))),
@@ -150,4 +150,4 @@ def gemm(a, b, c=None, bias=None, residuals=(), alpha=1.0, beta=0.0, activation=
         out = out + _f64(bias)[..., None, :] if _f64(bias).ndim == 2 else out + _f64(bias)
     for r in residuals:
         out = out + _f64(r)
-    return _ACTIVATIONS[activation](out, clamp[0], clamp[1])
+    return ACTIVATIONS[activation](out, clamp[0], clamp[1])

@@ -89,6 +89,8 @@ def namespace(key: KernelKey) -> dict[str, Any]:
         "pipeline": alg.pipeline, "scheduler": alg.scheduler, "split_k": alg.split_k, "stages": alg.stages,
         "tile": list(alg.tile), "warps": list(alg.warps), "mma": list(alg.mma), "cluster": list(alg.cluster),
         "arch": key.arch, "arch_info": archs(key.backend).get(key.arch, {}),
+        # the resource limits a family computes (its module's smem_bytes(key)), called by the rules that need them
+        "smem_bytes": lambda: backends.family_of(key).module.smem_bytes(key),
         "size": lambda name: _dtype(name).itemsize,
         "all": all, "any": any, "min": min, "max": max, "len": len,
     }

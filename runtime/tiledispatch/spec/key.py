@@ -17,13 +17,16 @@ import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from ..reference import ACTIVATIONS as _ACTIVATION_REFERENCES
 from .dtypes import DTYPES
 
 KEY_SCHEMA_VERSION = 1
 
 OPS = ("gemm", "conv")
 DIRECTIONS = ("none", "fwd", "bwd_data", "bwd_weight")  # "none" for gemm
-ACTIVATIONS = ("identity", "relu", "gelu_tanh", "gelu_erf", "silu", "sigmoid", "tanh", "clamp")
+# the activations are those the float64 reference defines (reference.ACTIVATIONS): a new one is its reference
+# there plus its code in each backend's epilogue template
+ACTIVATIONS = tuple(_ACTIVATION_REFERENCES)
 # GEMM layouts: row (r) / column (c) major for A, B and C, in that order.
 GEMM_LAYOUTS = tuple(a + b + c for a in "rc" for b in "rc" for c in "rc")
 # Conv layouts: channels-last with an explicit group axis; the rank comes from spatial_dims

@@ -70,6 +70,14 @@ def context(key) -> dict:
     } | ({"sm_flops_per_byte": arch["sm_flops_per_byte"], "epilogue_ktiles": EPILOGUE_KTILES} if wgrad else {})
 
 
+def smem_bytes(key) -> int:
+    """Shared memory of one CTA (rule cutlass.conv_sm90_smem, times the resident CTAs): the main-loop stages of A
+    and B tiles (2 for auto) and the pipeline barriers; the epilogue's buffers share the same memory."""
+    sig, alg = key.signature, key.algorithm
+    tm, tn, tk = alg.tile
+    return (alg.stages or 2) * (tm + tn) * tk * common.dtype(sig.dtype_a).itemsize + 2048
+
+
 def resident_ctas(key) -> int:
     """CTAs per SM the kernel is compiled to keep resident (cutlass.occupancy, 0 = 1)."""
     return common.extra(key, "occupancy") or 1
