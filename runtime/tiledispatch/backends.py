@@ -43,8 +43,8 @@ FAMILY_OPTIONAL = {
 
 
 def _default_gemm_view(problem, key) -> tuple[int, int, int, int]:
-    if hasattr(problem, "gemm_shape"):  # a conv problem: the implicit GEMM its direction performs
-        return problem.gemm_shape(key)
+    if hasattr(problem, "gemm_shape"):  # a conv problem: the implicit GEMM per group its direction performs
+        return problem.gemm_shape()
     return problem.m, problem.n, problem.k, problem.batch
 
 

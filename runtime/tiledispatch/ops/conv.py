@@ -151,43 +151,28 @@ class ConvProblem:
         return 2 * self.n * prod(self.out_size) * self.k * (self.c // self.g) * prod(self.filter_size)
 
     def gemm_shape(self, key: Optional[KernelKey] = None) -> tuple[int, int, int, int]:
-        """(m, n, k, batch) of the GEMM the direction performs: one per group (batch G), or, for a key whose
-        pipeline runs the channels of all groups as lanes ("direct", "direct_mma"), one GEMM with G x channels columns."""
+        """(m, n, k, batch) of the GEMM the direction performs: one per group (batch G); for a key, the view of
+        its kernel family (its module's gemm_view: e.g. the channels of all groups as lanes, per-tap padding)."""
+        if key is not None:
+            from .. import backends
+
+            return backends.family_of(key).gemm_view(self, key)
         cg, kg, taps = self.c // self.g, self.k // self.g, prod(self.filter_size)
-        if key is not None and key.algorithm.pipeline == "tma_ws_conv":
-            # CUTLASS tiles the channels of each filter tap separately (the (C, taps) mode is hierarchical):
-            # a tap's channels pad up to the tile, e.g. C = 64 under a 128-wide bwd_weight tile is half waste
-            def per_tap(ch, t):
-                return taps * -(-ch // t) * t
-            tm, tn, tk = key.algorithm.tile
-            if self.direction == "fwd":
-                return self.n * prod(self.out_size), kg, per_tap(cg, tk), self.g
-            if self.direction == "bwd_data":
-                return self.n * prod(self.in_size), cg, per_tap(kg, tk), self.g
-            return kg, per_tap(cg, tn), self.n * prod(self.out_size), self.g
-        if key is not None and key.algorithm.pipeline in ("direct", "direct_mma"):
-            if self.direction == "fwd":
-                return self._direct_pixels(self.out_size, key), self.k, taps * cg, 1
-            if self.direction == "bwd_data":
-                return self._direct_pixels(self.in_size, key), self.c, taps * kg, 1
-            return taps * cg, self.k, self._direct_pixels(self.out_size, key), 1
         if self.direction == "fwd":
             return self.n * prod(self.out_size), kg, taps * cg, self.g
         if self.direction == "bwd_data":
             return self.n * prod(self.in_size), cg, taps * kg, self.g
         return kg, taps * cg, self.n * prod(self.out_size), self.g
 
-    def _direct_pixels(self, sizes: tuple[int, ...], key: KernelKey) -> int:
-        """Pixels a direct kernel computes over `sizes` (per image): the cutlass kernels tile tile[0] pixels along
-        W by tile[2] rows along H, so rows and columns round up to whole tiles (a 56-wide row in 32-wide tiles
-        computes 64 pixels; in 28-wide ones, 56)."""
-        padded = list(sizes)
-        if key.backend == "cutlass":
-            tw, th = key.algorithm.tile[0], key.algorithm.tile[2]
-            padded[-1] = -(-padded[-1] // tw) * tw
-            if len(padded) > 1:
-                padded[-2] = -(-padded[-2] // th) * th
-        return self.n * prod(padded)
+    def lanes_gemm(self, out_pixels: int, in_pixels: int) -> tuple[int, int, int, int]:
+        """(m, n, k, 1) of a kernel whose lanes are the channels of all groups (one GEMM with G x channels
+        columns), given the pixels it computes over the output and over the input images."""
+        cg, kg, taps = self.c // self.g, self.k // self.g, prod(self.filter_size)
+        if self.direction == "fwd":
+            return out_pixels, self.k, taps * cg, 1
+        if self.direction == "bwd_data":
+            return in_pixels, self.c, taps * kg, 1
+        return taps * cg, self.k, out_pixels, 1
 
     # -- matching ---------------------------------------------------------------------------------
     def mismatch(self, key: KernelKey) -> Optional[str]:

@@ -2,6 +2,8 @@
 lanes and each input halo is expanded once per block. tile m = pixels along the innermost spatial dim, n =
 channel lanes over all groups, k = a chunk of reduction steps; mma = [pixels (fwd, bwd_data) or reduction outputs
 (bwd_weight), lanes, 1]."""
+from math import prod
+
 from .. import common
 
 
@@ -16,3 +18,8 @@ def templates(key) -> list[str]:
 
 context = common.context
 
+
+
+def gemm_view(problem, key) -> tuple[int, int, int, int]:
+    """One GEMM with the channels of all groups as its columns (lanes), over every pixel of the image."""
+    return problem.lanes_gemm(problem.n * prod(problem.out_size), problem.n * prod(problem.in_size))

@@ -70,6 +70,22 @@ def cost_factor(key) -> float:
     return math.prod(factors)
 
 
+def gemm_view(problem, key) -> tuple[int, int, int, int]:
+    """One GEMM with the channels of all groups as its columns (lanes), over the pixels the blocks compute: tile[0]
+    pixels along W by tile[2] rows along H, so rows and columns round up to whole tiles (a 56-wide row in 32-wide
+    tiles computes 64 pixels; in 28-wide ones, 56)."""
+    tw, th = key.algorithm.tile[0], key.algorithm.tile[2]
+
+    def pixels(sizes) -> int:
+        padded = list(sizes)
+        padded[-1] = -(-padded[-1] // tw) * tw
+        if len(padded) > 1:
+            padded[-2] = -(-padded[-2] // th) * th
+        return problem.n * math.prod(padded)
+
+    return problem.lanes_gemm(pixels(problem.out_size), pixels(problem.in_size))
+
+
 def problem_smem_bytes(problem, key) -> int:
     """Shared memory a 2D fwd / bwd_weight block takes on a problem: one input halo plane (fp16) with the block's
     weights (fwd: fp32; direct_mma: fp16 mma B fragments, 16 x 8 per pair of 8-channel taps and 8 lanes, halo

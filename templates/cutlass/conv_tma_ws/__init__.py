@@ -92,6 +92,23 @@ def cost_factor(key) -> float:
     return math.prod([0.4] + ([0.9] if common.extra(key, "occupancy") > 1 else []))
 
 
+def gemm_view(problem, key) -> tuple[int, int, int, int]:
+    """CUTLASS's GEMM view, one per group: it tiles the channels of each filter tap separately (the (C, taps)
+    mode is hierarchical), so a tap's channels pad up to the tile, e.g. C = 64 under a 128-wide bwd_weight tile is
+    half waste."""
+    cg, kg, taps = problem.c // problem.g, problem.k // problem.g, math.prod(problem.filter_size)
+    _, tn, tk = key.algorithm.tile
+
+    def per_tap(channels: int, t: int) -> int:
+        return taps * -(-channels // t) * t
+
+    if problem.direction == "fwd":
+        return problem.n * math.prod(problem.out_size), kg, per_tap(cg, tk), problem.g
+    if problem.direction == "bwd_data":
+        return problem.n * math.prod(problem.in_size), cg, per_tap(kg, tk), problem.g
+    return kg, per_tap(cg, tn), problem.n * math.prod(problem.out_size), problem.g
+
+
 def partials_cost(problem, key):
     """bwd_weight: its persistent split-K cost in main-loop steps of one tile (conv_partials_split); None for the
     other directions (one CTA per tile: the ranker's tiles-in-waves model)."""
