@@ -40,6 +40,9 @@ FAMILY_OPTIONAL = {
     "partials_cost": "partials_cost(problem, key) -> float | None: the cost of a persistent split-K kernel, in "
                      "main-loop steps of one tile (None: the tiles-in-waves model applies)",
 }
+# Resource limits are the family's too, read where they are needed: smem_bytes(key) (the shared memory a CTA
+# takes, called by its backend's rules as smem_bytes()), and problem-dependent ones such as the cutlass direct
+# conv family's problem_smem_bytes(problem, key).
 
 
 def _default_gemm_view(problem, key) -> tuple[int, int, int, int]:
@@ -72,11 +75,6 @@ class Family:
     resident_ctas: Callable
     cost_factor: Callable
     partials_cost: Callable
-
-    @property
-    def files(self) -> list[Path]:
-        """The Python files of the family's module (its build identity's share)."""
-        return sorted(p for p in self.path.glob("*.py"))
 
 
 @dataclass(frozen=True)

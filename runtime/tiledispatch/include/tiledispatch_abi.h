@@ -28,7 +28,8 @@
  *     1 W  weight  [G, K/G, filter..., C/G]
  *     2 Y  output  [N, spatial_out..., G, K/G]
  *   fwd writes Y from X, W; bwd_data writes X from Y, W; bwd_weight writes W from X, Y.
- *   params: [0] S, then per spatial dim d (d = 0..S-1, outermost first):
+ *   params: [0] S, then per spatial dim d (d = 0..S-1, outermost first; TD_CONV_* below name the slots,
+ *   tiledispatch_kernel.h reads them):
  *     params[1 + d]       stride
  *     params[4 + d]       dilation
  *     params[7 + d]       padding low
@@ -46,6 +47,13 @@
 #define TD_MAX_TENSORS 8
 #define TD_MAX_SCALARS 4
 #define TD_MAX_PARAMS 16
+
+/* Grouped convolution params slots (see above): [TD_CONV_RANK] S, [TD_CONV_STRIDE + d] ... */
+#define TD_CONV_RANK 0
+#define TD_CONV_STRIDE 1
+#define TD_CONV_DILATION 4
+#define TD_CONV_PAD_LO 7
+#define TD_CONV_PAD_HI 10
 
 #if defined(_WIN32)
 #define TD_EXPORT __declspec(dllexport)

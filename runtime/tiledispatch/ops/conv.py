@@ -425,12 +425,12 @@ def make_args(problem: ConvProblem, key: KernelKey, ops: Optional[Operands] = No
             if v.shape[-1] == 1:  # any stride is right for a single channel; the kernel asks for 1
                 strides[-1] = 1
             abi.set_tensor(args.tensors[slot], v.ptr, code, shapes[role], strides)
-    args.params[0] = p.spatial_dims
+    args.params[abi.CONV_RANK] = p.spatial_dims
     for d in range(p.spatial_dims):
-        args.params[1 + d] = p.stride[d]
-        args.params[4 + d] = p.dilation[d]
-        args.params[7 + d] = p.pad_lo[d]
-        args.params[10 + d] = p.pad_hi[d]
+        args.params[abi.CONV_STRIDE + d] = p.stride[d]
+        args.params[abi.CONV_DILATION + d] = p.dilation[d]
+        args.params[abi.CONV_PAD_LO + d] = p.pad_lo[d]
+        args.params[abi.CONV_PAD_HI + d] = p.pad_hi[d]
     args.scalars[0], args.scalars[1] = alpha, beta
     return args
 
