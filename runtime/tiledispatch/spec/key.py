@@ -32,7 +32,6 @@ GEMM_LAYOUTS = tuple(a + b + c for a in "rc" for b in "rc" for c in "rc")
 # Conv layouts: channels-last with an explicit group axis; the rank comes from spatial_dims
 # (input NWGC / NHWGC / NDHWGC, weight GKXC / GKYXC / GKZYXC, output NWGK / NHWGK / NDHWGK).
 CONV_LAYOUTS = ("nhwgc",)
-BACKENDS = ("cpu", "cutlass", "ck_tile")
 
 _NAME_TOKEN = re.compile(r"^[a-z0-9]+$")
 
@@ -169,7 +168,7 @@ class KernelKey:
     arch: str
 
     def __post_init__(self):
-        _check_enum("backend", self.backend, BACKENDS)
+        _check_enum("backend", self.backend, _backend_names())
         if not isinstance(self.arch, str) or not _NAME_TOKEN.match(self.arch):
             raise ValueError(f"arch: expected a lower-case alphanumeric arch name, got {self.arch!r}")
         for name, _ in self.algorithm.extras:
@@ -261,7 +260,13 @@ def _squeeze_table(values) -> dict[str, str]:
 _ACT = _squeeze_table(ACTIVATIONS)
 _DIR = {"fwd": "fwd", "bwdd": "bwd_data", "bwdw": "bwd_weight"}
 _DIR_INV = {v: k for k, v in _DIR.items()}
-_BACKEND = _squeeze_table(BACKENDS)
+
+
+def _backend_names() -> list[str]:
+    """The registered backends (one folder each under templates/: backends.py), the key's backend vocabulary."""
+    from .. import backends
+
+    return backends.names()
 
 
 def _triple(t) -> str:
@@ -327,7 +332,7 @@ def parse_kernel_name(name: str, vocabulary=None) -> KernelKey:
         if not m or m.group(1) not in _ACT:
             raise ValueError(f"bad epilogue field {epi_tok!r}")
         epilogue = Epilogue(_ACT[m.group(1)], bool(m.group(2)), int(m.group(3) or 0))
-        backend = _BACKEND[backend_tok]
+        backend = _squeeze_table(_backend_names())[backend_tok]
 
         def triple(tok, prefix):
             if not tok.startswith(prefix):
