@@ -26,20 +26,20 @@ def test_repeated_calls_swap_pointers_and_stay_right(registry):
     rng = np.random.default_rng(1)
     triples = [(rand(rng, 40, 24), rand(rng, 24, 56), validation.poison(np.empty((40, 56), np.float16)))
                for _ in range(3)]
-    registry._plans.clear()
+    registry.clear_caches()
     for _ in range(2):  # a, b, out all change between calls; the second round reuses them again
         for a, b, out in triples:
             out.fill(np.nan)
             registry.gemm(a, b, out)
             check(out, a, b, registry)
-    assert len(registry._plans) == 1  # one validated plan served every call
+    assert registry.cache_info()["launches"]["entries"] == 1  # one prepared launch served every call
 
 
 def test_changed_alignment_or_layout_is_revalidated(registry):
     rng = np.random.default_rng(2)
     a, b = rand(rng, 40, 24), rand(rng, 24, 56)
     out = np.empty((40, 56), np.float16)
-    registry._plans.clear()
+    registry.clear_caches()
     registry.gemm(a, b, out)
     base = np.empty(40 * 24 + 1, np.float16)
     shifted = base[1:].reshape(40, 24)  # same shape and strides, pointer off by 2 bytes
@@ -54,7 +54,7 @@ def test_changed_alignment_or_layout_is_revalidated(registry):
         check(out, a, b, registry)
     except td.UnsupportedProblemError:
         pass
-    assert len(registry._plans) >= 2
+    assert registry.cache_info()["launches"]["entries"] >= 2
 
 
 def test_plan_object_swaps_pointers_and_rechecks_shapes(registry):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import numbers
+from collections import OrderedDict
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -19,6 +20,7 @@ import numpy as np
 from . import abi
 from .arrays import span
 from .ops import get as ops_get
+from .ops.gemm import real_scalar
 from .errors import InvalidInputError, KernelRuntimeError, UnsupportedProblemError
 from .spec.dtypes import BY_CODE
 
@@ -45,14 +47,37 @@ def fingerprint(obj: Any) -> tuple[int, tuple]:
     return printer(obj)
 
 
+def _numpy_data_reader() -> Callable[[np.ndarray], int]:
+    """A function returning an ndarray's data pointer. a.ctypes.data builds a ctypes helper object on every
+    access (~0.8 us, most of a cached launch on the cpu backend); the pointer is the first field after the
+    object header of numpy's PyArrayObject (its C ABI, what PyArray_DATA reads), so it is read from there
+    (~0.1 us) where a probe of a few arrays and views agrees with a.ctypes.data, and a.ctypes.data otherwise."""
+    offset = object.__basicsize__  # PyObject_HEAD
+    read = ctypes.c_void_p.from_address
+
+    def fast(a) -> int:
+        return read(id(a) + offset).value or 0
+
+    base = np.arange(64, dtype=np.float32)
+    probes = (base, base[3:], base.reshape(8, 8)[1:, ::2].T, np.zeros((0, 4), np.float16))
+    if all(fast(p) == (p.ctypes.data or 0) for p in probes):
+        return fast
+    return lambda a: a.ctypes.data
+
+
+_numpy_data = _numpy_data_reader()
+
+
 def _numpy_print(a) -> tuple[int, tuple]:
-    ptr = a.ctypes.data
+    ptr = _numpy_data(a)
     return ptr, (a.shape, a.strides, a.dtype, ptr & 15, a.flags.writeable)
 
 
 def _torch_print(t) -> tuple[int, tuple]:
-    ptr = t.data_ptr()  # get_device(): the device index as an int (-1 on the CPU), cheaper than t.device
-    return ptr, (t.shape, t.stride(), t.dtype, t.get_device(), ptr & 15, t.requires_grad)
+    # t.device tells a meta tensor (data_ptr 0) from a CPU one; is_neg(): a lazily negated view (e.g. the
+    # .imag of a conjugated tensor) has the same memory, shape and strides as the values it does not hold
+    ptr = t.data_ptr()
+    return ptr, (t.shape, t.stride(), t.dtype, t.device, ptr & 15, t.requires_grad, t.is_neg())
 
 
 def _cupy_print(x) -> tuple[int, tuple]:
@@ -133,6 +158,10 @@ class Plan:
             self._prepare(tensors, prints)
         self.launch_pointers(tuple([p[0] for p in prints]))
 
+    def launch(self) -> None:
+        """Launch on the tensors prepare() bound."""
+        self.launch_pointers(self._ptrs)
+
     def launch_pointers(self, ptrs: tuple) -> None:
         """The fast path: the data pointers, in slot order, of tensors whose fingerprints equal the validated
         ones (the caller checked); only pointers that changed since the last launch are checked for overlap
@@ -152,7 +181,13 @@ class Plan:
             self._raise(status)
 
     def _prepare(self, tensors: dict, prints: list) -> None:
-        operands = self._ops.operands_for(self.problem, tensors)
+        self.prepare(self._ops.operands_for(self.problem, tensors))
+        self._prints = tuple(p[1] for p in prints)
+
+    def prepare(self, operands) -> None:
+        """Bind operands that passed the op's full checks (the op module's Operands): td_args, the kernel's
+        own td_can_run, the byte spans for the overlap checks. Launch with launch_pointers."""
+        self._args = self._prints = None
         args = bind(self.registry, self.problem, self.kernel, operands, stream=self.stream,
                     num_threads=self.num_threads, **self.scalars)
         # no explicit stream: launch on the current stream of the caller's framework, looked up per call
@@ -160,13 +195,23 @@ class Plan:
         self._stream_of = stream_getter(next(v.obj for v in operands.all())) if follow else None
         status, why = self.kernel.library.can_run(args)
         if status != abi.OK:
-            self._args = None
             raise_for_status(self.kernel, status, why)
-        self._args, self._prints, self._ptrs = args, tuple(p[1] for p in prints), None
+        slots = args.num_tensors
+        self._args, self._ptrs = args, tuple(args.tensors[i].data for i in range(slots))
         self._args_ref = ctypes.byref(args)
-        self._slot_structs = [args.tensors[i] for i in range(len(prints))]
-        self._footprints(args, len(prints))
+        self._slot_structs = [args.tensors[i] for i in range(slots)]
+        self._footprints(args, slots)
         self._grad_sensitive = any(getattr(v.obj, "requires_grad", False) for v in operands.all())
+
+    def set_scalars(self, alpha, beta) -> None:
+        """Swap alpha and beta in the prepared arguments (checked as the first launch checks them). Whether
+        beta is 0 must not change: it decides whether C is read, which the preparation checked."""
+        alpha, beta = real_scalar("alpha", alpha), real_scalar("beta", beta)
+        if (beta != 0) != (self.scalars.get("beta", 0.0) != 0):
+            raise InvalidInputError("beta changed between zero and non-zero: prepare the plan again")
+        self.scalars.update(alpha=alpha, beta=beta)
+        if self._args is not None:
+            self._args.scalars[0], self._args.scalars[1] = alpha, beta
 
     def _footprints(self, args: abi.TdArgs, slots: int) -> None:
         """Each tensor's byte span relative to its pointer, for _check_disjoint."""
@@ -196,6 +241,66 @@ class Plan:
     def _raise(self, status: int) -> None:
         self._args = None  # the next call re-validates
         raise_for_status(self.kernel, status, self._reason.value.decode())
+
+
+class Launcher:
+    """A cached call of a public entry point: a prepared Plan, where its td_args slots take their pointers
+    from (pick: a function of the caller's pointers + (None,); None when they are already in slot order) and
+    the alpha / beta objects its arguments hold now."""
+    __slots__ = ("plan", "pick", "alpha", "beta")
+
+    def __init__(self, plan: Plan, alpha, beta, pick: Optional[Callable[[tuple], tuple]] = None):
+        self.plan, self.pick = plan, pick
+        self.alpha, self.beta = alpha, beta  # the caller's objects, for an identity test on the next call
+
+    def __call__(self, ptrs: tuple, alpha, beta) -> None:
+        if alpha is not self.alpha or beta is not self.beta:  # checked and swapped only when they change
+            self.plan.set_scalars(alpha, beta)
+            self.alpha, self.beta = alpha, beta
+        self.plan.launch_pointers(ptrs if self.pick is None else self.pick(ptrs + (None,)))
+
+
+class BoundedCache:
+    """A mapping of at most `size` entries that drops the least recently used first, with hit / miss counts.
+    Safe to share between threads (a concurrent eviction is a miss, never an error)."""
+
+    def __init__(self, size: int):
+        self.size, self.hits, self.misses = size, 0, 0
+        self._entries: OrderedDict = OrderedDict()
+
+    def get(self, key):
+        value = self._entries.get(key)
+        if value is None:
+            self.misses += 1
+            return None
+        try:
+            self._entries.move_to_end(key)
+        except KeyError:  # evicted by another thread since the get
+            pass
+        self.hits += 1
+        return value
+
+    def put(self, key, value) -> None:
+        entries = self._entries
+        entries[key] = value
+        entries.move_to_end(key)
+        while len(entries) > self.size:
+            try:
+                entries.popitem(last=False)
+            except KeyError:
+                break
+
+    def discard(self, key) -> None:
+        self._entries.pop(key, None)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def info(self) -> dict:
+        return {"entries": len(self._entries), "size": self.size, "hits": self.hits, "misses": self.misses}
 
 
 def _same_view(a: abi.TdTensor, b: abi.TdTensor) -> bool:
