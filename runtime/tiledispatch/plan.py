@@ -39,45 +39,50 @@ def fingerprint(obj: Any) -> tuple[int, tuple]:
     """(data pointer, everything else a kernel's validity depends on: shape, strides, dtype, device and
     the pointer's alignment) with as little work as possible: one function per array type, found by a
     dictionary lookup on the type (this runs on every launch)."""
-    if obj is None:
-        return None, None
     printer = _PRINTERS.get(type(obj))
     if printer is None:
+        if obj is None:
+            return None, None
         printer = _PRINTERS.setdefault(type(obj), _printer_for(type(obj)))
     return printer(obj)
 
 
-def _numpy_data_reader() -> Callable[[np.ndarray], int]:
-    """A function returning an ndarray's data pointer. a.ctypes.data builds a ctypes helper object on every
+def _numpy_pointer_offset() -> Optional[int]:
+    """Where an ndarray's data pointer lies in its object. a.ctypes.data builds a ctypes helper object on every
     access (~0.8 us, most of a cached launch on the cpu backend); the pointer is the first field after the
-    object header of numpy's PyArrayObject (its C ABI, what PyArray_DATA reads), so it is read from there
-    (~0.1 us) where a probe of a few arrays and views agrees with a.ctypes.data, and a.ctypes.data otherwise."""
+    object header of numpy's PyArrayObject (its C ABI: what PyArray_DATA reads), so it is read from there
+    (~0.1 us) where a probe of a few arrays and views agrees with a.ctypes.data; None (use a.ctypes.data)
+    where it does not."""
     offset = object.__basicsize__  # PyObject_HEAD
-    read = ctypes.c_void_p.from_address
-
-    def fast(a) -> int:
-        return read(id(a) + offset).value or 0
-
     base = np.arange(64, dtype=np.float32)
     probes = (base, base[3:], base.reshape(8, 8)[1:, ::2].T, np.zeros((0, 4), np.float16))
-    if all(fast(p) == (p.ctypes.data or 0) for p in probes):
-        return fast
-    return lambda a: a.ctypes.data
+    if all(ctypes.c_void_p.from_address(id(p) + offset).value == p.ctypes.data for p in probes):
+        return offset
+    return None
 
 
-_numpy_data = _numpy_data_reader()
+_NUMPY_POINTER_OFFSET = _numpy_pointer_offset()
+_read_pointer = ctypes.c_void_p.from_address
 
 
 def _numpy_print(a) -> tuple[int, tuple]:
-    ptr = _numpy_data(a)
+    ptr = _read_pointer(id(a) + _NUMPY_POINTER_OFFSET).value
+    return ptr, (a.shape, a.strides, a.dtype, ptr & 15, a.flags.writeable)
+
+
+def _numpy_print_slow(a) -> tuple[int, tuple]:
+    ptr = a.ctypes.data
     return ptr, (a.shape, a.strides, a.dtype, ptr & 15, a.flags.writeable)
 
 
 def _torch_print(t) -> tuple[int, tuple]:
-    # t.device tells a meta tensor (data_ptr 0) from a CPU one; is_neg(): a lazily negated view (e.g. the
-    # .imag of a conjugated tensor) has the same memory, shape and strides as the values it does not hold
+    # get_device() (-1 on the CPU) and is_cuda tell the devices apart with ints and bools (cheaper to hash and
+    # compare than t.device); alignment -1 for no memory (a meta tensor, data_ptr 0, would otherwise look like a
+    # CPU one); is_neg(): a lazily negated view (e.g. the .imag of a conjugated tensor) has the same memory,
+    # shape and strides as the values it does not hold
     ptr = t.data_ptr()
-    return ptr, (t.shape, t.stride(), t.dtype, t.device, ptr & 15, t.requires_grad, t.is_neg())
+    return ptr, (t.shape, t.stride(), t.dtype, t.get_device(), t.is_cuda, ptr & 15 if ptr else -1, t.requires_grad,
+                 t.is_neg())
 
 
 def _cupy_print(x) -> tuple[int, tuple]:
@@ -94,7 +99,7 @@ def _generic_print(obj) -> tuple[int, tuple]:
 
 def _printer_for(cls) -> Callable[[Any], tuple[int, tuple]]:
     if cls is np.ndarray:
-        return _numpy_print
+        return _numpy_print if _NUMPY_POINTER_OFFSET is not None else _numpy_print_slow
     module = cls.__module__.split(".")[0]
     return {"torch": _torch_print, "cupy": _cupy_print}.get(module, _generic_print)
 

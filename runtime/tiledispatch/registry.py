@@ -15,6 +15,7 @@ import numpy as np
 from . import abi, arrays, bundle, selection, tuning
 from .backends import get as get_backend
 from .ops import get as ops_get
+from .ops import conv as conv_op
 from .ops.conv import ConvProblem
 from .ops.gemm import GemmProblem, clamp_pair
 from .plan import BoundedCache, Launcher, Plan, bind, fingerprint, raise_for_status
@@ -357,22 +358,17 @@ class Registry:
         return dev_out.to_host(out=ops.out)
 
     def conv_fwd(self, x, w, out=None, **options):
-        """y = alpha * conv(x, w) + beta * out (grouped, 1-3D); options: see ops.conv.operands and fwd."""
-        from .ops import conv
-
-        return conv.fwd(self, x, w, out, **options)
+        """y = alpha * conv(x, w) + beta * out (grouped, 1-3D); options: see ops.conv.operands and fwd.
+        Repeated calls are cached as gemm()'s are."""
+        return conv_op.run(self, "fwd", x, w, out, out, options)
 
     def conv_bwd_data(self, dy, w, out=None, **options):
         """dx = alpha * conv_bwd_data(dy, w) + beta * out; without out, give in_size."""
-        from .ops import conv
-
-        return conv.bwd_data(self, dy, w, out, **options)
+        return conv_op.run(self, "bwd_data", out, w, dy, out, options)
 
     def conv_bwd_weight(self, x, dy, out=None, **options):
         """dw = alpha * conv_bwd_weight(x, dy) + beta * out; without out, give filter_size."""
-        from .ops import conv
-
-        return conv.bwd_weight(self, x, dy, out, **options)
+        return conv_op.run(self, "bwd_weight", x, out, dy, out, options)
 
     def workspace(self, nbytes: int, like) -> int:
         """A device buffer of at least nbytes, allocated once per device and grown, never per call.

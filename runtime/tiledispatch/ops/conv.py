@@ -467,18 +467,23 @@ GEOMETRY_OPTIONS = ("stride", "dilation", "padding", "pad_lo", "pad_hi", "groups
                     "spatial_dims")
 
 
-# options whose full check wants a Python int (not a numpy integer) or None
-_EXACT_INT_OPTIONS = ("groups", "spatial_dims")
+# options whose full check wants a Python int (not a numpy integer) or None; alpha and beta are left out of the
+# launch key (the Launcher checks and swaps them)
+_EXACT_INT_OPTIONS = frozenset(("groups", "spatial_dims", "num_threads", "stream"))
+_SCALARS = frozenset(("alpha", "beta"))
 
 
-def _options_key(geo: dict) -> Optional[tuple]:
-    """The geometry options as a hashable key for the launch cache, or None when a value is not a plain
-    integer (or a tuple / list of them) or None: such calls take the full checks every time, so that a value
-    the checks refuse but that equals an accepted one (True == 1, 1.0 == 1) never reaches a cached launch."""
+def _options_key(options: dict) -> Optional[tuple]:
+    """A call's options (but alpha and beta) as a hashable key for the launch cache, or None when a value is not
+    a plain integer (or a tuple / list of them), a kernel name or None: such calls take the full checks every
+    time, so that a value the checks refuse but that equals an accepted one (True == 1, 1.0 == 1) never reaches
+    a cached launch."""
     items = []
-    for name, value in geo.items():
+    for name, value in options.items():
+        if name in _SCALARS:
+            continue
         kind = type(value)
-        if kind is int or value is None:
+        if kind is int or value is None or (name == "kernel" and kind is str):
             items.append((name, value))
         elif name in _EXACT_INT_OPTIONS:
             return None
@@ -489,51 +494,58 @@ def _options_key(geo: dict) -> Optional[tuple]:
             items.append((name, tuple(value)))
         elif isinstance(value, np.integer):
             items.append((name, value))
-        else:
+        else:  # e.g. a Kernel object: the full checks, then a launch by its name
             return None
     return tuple(items)
 
 
-def _run(registry, direction: str, x, w, y, *, alpha: float, beta: float, kernel, stream, num_threads, **geo):
-    written = {"x": x, "w": w, "y": y}[WRITES[direction]]
+_CALL_OPTIONS = {"alpha": 1.0, "beta": 0.0, "kernel": None, "stream": None, "num_threads": 0}
+
+
+def run(registry, direction: str, x, w, y, written, options: dict):
+    """The entry points' work (fwd, bwd_data, bwd_weight and the Registry's methods, which pass their keyword
+    arguments as the dict `options`): x, w, y in the explicit roles, `written` the output given (or None)."""
     key = launcher = None
     if written is not None:  # the fast path, as Registry.gemm's: a launch prepared by an earlier call
         try:
             fx, fw, fy = fingerprint(x), fingerprint(w), fingerprint(y)
-            options = _options_key(geo)
-            if options is not None:
-                key = (_thread_id(), direction, fx[1], fw[1], fy[1], beta != 0, kernel if kernel is None or
-                       type(kernel) is str else kernel.name, stream, type(stream), num_threads, type(num_threads),
-                       options)
+            beta = options.get("beta", 0.0)
+            option_key = _options_key(options)
+            if option_key is not None:
+                key = (_thread_id(), direction, fx[1], fw[1], fy[1], beta != 0, option_key)
                 launcher = registry._launches.get(key)
         except Exception:  # an argument that cannot be fingerprinted or hashed: the full checks say what is wrong
             key = launcher = None
         if launcher is not None:
             try:
-                launcher((fx[0], fw[0], fy[0]), alpha, beta)
+                launcher((fx[0], fw[0], fy[0]), options.get("alpha", 1.0), beta)
             except BaseException:  # e.g. an overlap of the new pointers: the next call checks everything again
                 registry._launches.discard(key)
                 raise
             return written
+    call = dict(_CALL_OPTIONS)
+    geo = {}
+    for name, value in options.items():
+        (call if name in call else geo)[name] = value
     unknown = sorted(set(geo) - set(GEOMETRY_OPTIONS))
     if unknown:
         raise InvalidInputError(f"conv {direction}: unknown option(s) {', '.join(unknown)} (known: alpha, beta, kernel, "
                                 f"stream, num_threads, {', '.join(GEOMETRY_OPTIONS)})")
-    given_alpha, given_beta = alpha, beta
-    alpha, beta = real_scalar("alpha", alpha), real_scalar("beta", beta)
+    alpha, beta = real_scalar("alpha", call["alpha"]), real_scalar("beta", call["beta"])
     if beta != 0 and written is None:
         raise InvalidInputError("beta != 0 reads the previous contents of the output: pass out=")
     problem, ops = operands(direction, x, w, y, **geo)
+    kernel, stream, num_threads = call["kernel"], call["stream"], call["num_threads"]
     launcher = None
     if kernel is None:
         launcher = _gemm_launcher(registry, problem, ops, alpha=alpha, beta=beta, stream=stream,
-                                  num_threads=num_threads, given=(given_alpha, given_beta))
+                                  num_threads=num_threads, given=(call["alpha"], call["beta"]))
     if launcher is None:
         from ..plan import Launcher
 
         plan = registry._launch(problem, ops, kernel=kernel, stream=stream, num_threads=num_threads, alpha=alpha,
                                 beta=beta)
-        launcher = Launcher(plan, given_alpha, given_beta)
+        launcher = Launcher(plan, call["alpha"], call["beta"])
     if key is not None:
         registry._launches.put(key, launcher)
     return ops.out
@@ -566,22 +578,17 @@ def _gemm_launcher(registry, problem: ConvProblem, ops: Operands, *, alpha: floa
     return Launcher(plan, *given, pick=_GEMM_SLOTS[problem.direction, beta != 0])
 
 
-def fwd(registry, x, w, out=None, *, alpha: float = 1.0, beta: float = 0.0, kernel=None, stream=None,
-        num_threads: int = 0, **geo):
-    """y = alpha * conv(x, w) + beta * out; returns out (allocated when None). geo: see operands()."""
-    return _run(registry, "fwd", x, w, out, alpha=alpha, beta=beta, kernel=kernel, stream=stream,
-                num_threads=num_threads, **geo)
+def fwd(registry, x, w, out=None, **options):
+    """y = alpha * conv(x, w) + beta * out; returns out (allocated when None). options: alpha (1.0), beta (0.0),
+    kernel, stream, num_threads and the geometry (see operands())."""
+    return run(registry, "fwd", x, w, out, out, options)
 
 
-def bwd_data(registry, dy, w, out=None, *, alpha: float = 1.0, beta: float = 0.0, kernel=None, stream=None,
-             num_threads: int = 0, **geo):
+def bwd_data(registry, dy, w, out=None, **options):
     """dx = alpha * conv_bwd_data(dy, w) + beta * out; without out, give in_size."""
-    return _run(registry, "bwd_data", out, w, dy, alpha=alpha, beta=beta, kernel=kernel, stream=stream,
-                num_threads=num_threads, **geo)
+    return run(registry, "bwd_data", out, w, dy, out, options)
 
 
-def bwd_weight(registry, x, dy, out=None, *, alpha: float = 1.0, beta: float = 0.0, kernel=None, stream=None,
-               num_threads: int = 0, **geo):
+def bwd_weight(registry, x, dy, out=None, **options):
     """dw = alpha * conv_bwd_weight(x, dy) + beta * out; without out, give filter_size."""
-    return _run(registry, "bwd_weight", x, out, dy, alpha=alpha, beta=beta, kernel=kernel, stream=stream,
-                num_threads=num_threads, **geo)
+    return run(registry, "bwd_weight", x, out, dy, out, options)
