@@ -69,7 +69,7 @@ class Registry:
         # The fast path (README, "Repeated calls"): a public call's tensor fingerprints and options -> its
         # prepared Launcher, per thread (a Plan's td_args are rewritten by each launch); the selection for a
         # problem and operand layout; the kernels that can run it. The first two depend on the tuning record
-        # and autotune, and are emptied when those change (clear_caches).
+        # and autotune: all are emptied when those change (clear_caches).
         self._launches = BoundedCache(CACHE_SIZE)
         self._selections = BoundedCache(CACHE_SIZE)
         self._explained = BoundedCache(CACHE_SIZE)
@@ -102,10 +102,11 @@ class Registry:
         self.clear_caches()
 
     def clear_caches(self) -> None:
-        """Forget cached selections and prepared launches (done when autotune, the tuning cache or its records
-        change through this registry; call it after editing the tuning record by other means)."""
+        """Forget prepared launches, selections and candidate lists (done when autotune, the tuning cache or its
+        records change through this registry; call it after editing the tuning record by other means)."""
         self._launches.clear()
         self._selections.clear()
+        self._explained.clear()
 
     def cache_info(self) -> dict:
         """Entries, bound, hits and misses of the launch, selection and candidate caches."""
