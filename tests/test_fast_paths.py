@@ -452,3 +452,38 @@ def test_cached_call_is_much_cheaper_than_a_first_call(reg):
         firsts.append(_median_us(first_call, rounds=3, calls=5))
         cached.append(_median_us(call, rounds=3, calls=50))
     assert statistics.median(firsts) >= 5 * statistics.median(cached), (firsts, cached)
+
+
+def test_torch_tensors_take_the_fast_path_and_their_states_are_told_apart(reg, counts):
+    """torch CPU tensors: cached like numpy arrays; a tensor that looks the same but is not usable (a lazily
+    negated view, a meta tensor, requires_grad in grad mode) never takes a launch prepared for a usable one."""
+    torch = pytest.importorskip("torch")
+    reg.clear_caches()
+    rng = np.random.default_rng(13)
+    a, bt = torch.from_numpy(rand(rng, (40, 24))), torch.from_numpy(rand(rng, (56, 24)))
+    out = torch.full((40, 56), float("nan"))
+    reg.gemm(a, bt.T, out)
+    checks = counts["gemm_checks"]
+    for _ in range(2):
+        a2 = torch.from_numpy(rand(rng, (40, 24)))
+        out.fill_(float("nan"))
+        reg.gemm(a2, bt.T, out)
+        close(out.numpy(), reference.gemm(a2.numpy(), bt.numpy().T))
+    assert counts["gemm_checks"] == checks
+    with pytest.raises(td.InvalidInputError, match="negative or conjugate bit"):
+        reg.gemm(torch._neg_view(a), bt.T, out)
+    with pytest.raises(td.InvalidInputError, match="meta tensor"):
+        reg.gemm(a, bt.T, torch.empty((40, 56), device="meta"))
+    with pytest.raises(td.InvalidInputError, match="requires grad"):
+        reg.gemm(a.clone().requires_grad_(True), bt.T, out)
+
+    x, w, dy = (torch.from_numpy(t) for t in conv_data(rng))
+    y = torch.full(dy.shape, float("nan"))
+    reg.conv_fwd(x, w, y, **GEO)
+    checks = counts["conv_checks"]
+    x2 = torch.from_numpy(rand(rng, tuple(x.shape)))
+    reg.conv_fwd(x2, w, y, **GEO)
+    close(y.numpy(), conv_expect("fwd", x2.numpy(), w.numpy(), dy.numpy()))
+    assert counts["conv_checks"] == checks
+    with pytest.raises(td.InvalidInputError, match="negative or conjugate bit"):
+        reg.conv_fwd(torch._neg_view(x2), w, y, **GEO)
