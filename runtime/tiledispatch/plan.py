@@ -7,6 +7,9 @@ fingerprints only swaps the data pointers in the prepared td_args, after checkin
 pointers do not make the written tensor overlap a read one (a few integer comparisons, only when a
 pointer changed). Anything else goes through the full checks again, so the fast path can never run a
 kernel on arguments it did not accept.
+
+The registry's public calls keep one prepared Plan per call key in a Launcher (which also swaps alpha and
+beta), in a BoundedCache (least recently used dropped first): README, "Repeated calls".
 """
 from __future__ import annotations
 
