@@ -434,10 +434,10 @@ def _median_us(fn, rounds=15, calls=20) -> float:
 
 def test_cached_call_is_much_cheaper_than_a_first_call(reg):
     """Medians of interleaved rounds on a tiny problem, single-threaded: a first call (checks, matching,
-    ranking) against a cached one. The bound is loose (measured: 15-30x on a shared 2-core machine)."""
+    ranking) against a cached one. The bound is loose (measured: 25-35x on a shared 2-core machine)."""
     rng = np.random.default_rng(12)
-    x, w, dy = conv_data(rng)
-    y = poisoned(dy.shape)
+    x, w = rand(rng, (1, 4, 4, 1, 4)), rand(rng, (1, 4, 3, 3, 4))  # tiny: the kernel's own time stays small
+    y = poisoned((1, 4, 4, 1, 4))
 
     def call():
         reg.conv_fwd(x, w, y, num_threads=1, **GEO)
