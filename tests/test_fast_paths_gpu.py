@@ -1,5 +1,5 @@
 """The cached fast path on an NVIDIA GPU with torch CUDA tensors: repeated reg.gemm / reg.conv_* calls neither check
-nor select again, stay right with new pointers, follow the current stream, and a cached call costs a few
+nor select again, stay right with new pointers, are prepared per current stream, and a cached call costs a few
 microseconds of host time above the raw td_run.
 
 Marked gpu; skipped without torch + CUDA or without prebuilt bundles: $TD_CUTLASS_BUNDLE (fp16 rcr GEMM kernels,
@@ -74,16 +74,18 @@ def test_gemm_cached_on_the_gpu(gemm_reg, monkeypatch):
         out = torch.full((192, 256), float("nan"), dtype=torch.float16, device="cuda")
         gemm_reg.gemm(a, wt.T, out=out)
         outs.append((a, out))
+    assert len(checks) == 1
     side = torch.cuda.Stream()
-    with torch.cuda.stream(side):  # the cached launch follows the current stream
-        a = rand(192, 128)
-        out = torch.full((192, 256), float("nan"), dtype=torch.float16, device="cuda")
-        gemm_reg.gemm(a, wt.T, out=out)
-        outs.append((a, out))
+    with torch.cuda.stream(side):  # another current stream: a launch of its own (its own workspace)
+        for _ in range(2):
+            a = rand(192, 128)
+            out = torch.full((192, 256), float("nan"), dtype=torch.float16, device="cuda")
+            gemm_reg.gemm(a, wt.T, out=out)
+            outs.append((a, out))
     torch.cuda.synchronize()
     for a, out in outs:
         close(out, a.double() @ wt.double().T)
-    assert len(checks) == 1
+    assert len(checks) == 2 and gemm_reg.cache_info()["launches"]["entries"] == 2
     with pytest.raises(td.InvalidInputError, match="out overlaps A"):
         sq = rand(192, 256)
         gemm_reg.gemm(sq[:, :128], wt.T, out=sq)

@@ -18,7 +18,7 @@ from .ops import get as ops_get
 from .ops import conv as conv_op
 from .ops.conv import ConvProblem
 from .ops.gemm import GemmProblem, clamp_pair
-from .plan import BoundedCache, Launcher, Plan, bind, fingerprint, raise_for_status
+from .plan import BoundedCache, Launcher, Plan, bind, fingerprint, raise_for_status, stream_now
 from .errors import BundleError, InvalidInputError, UnsupportedProblemError
 from .spec import rules
 from .spec.key import KernelKey
@@ -67,7 +67,8 @@ class Registry:
         self.manifest = manifest or {}
         self.device = rules.backend_rules(backend)["device"]
         # The fast path (README, "Repeated calls"): a public call's tensor fingerprints and options -> its
-        # prepared Launcher, per thread (a Plan's td_args are rewritten by each launch); the selection for a
+        # prepared Launcher, per thread (a Plan's td_args are rewritten by each launch) and, on a GPU, per
+        # current stream (a launch uses the workspace of the stream it was prepared on); the selection for a
         # problem and operand layout; the kernels that can run it. The first two depend on the tuning record
         # and autotune: all are emptied when those change (clear_caches).
         self._launches = BoundedCache(CACHE_SIZE)
@@ -308,6 +309,7 @@ class Registry:
                 key = (_thread_id(), activation, beta != 0, clamp if clamp is NO_CLAMP else
                        (clamp, type(clamp[0]), type(clamp[1])), kernel if kernel is None or type(kernel) is str
                        else kernel.name, stream, type(stream), num_threads, type(num_threads),
+                       stream_now(a) if stream is None and self.device != "cpu" else None,
                        fa[1], fb[1], fc[1], fo[1], fbias[1])
                 ptrs = (fa[0], fb[0], fc[0], fo[0], fbias[0])
                 if residuals:

@@ -30,7 +30,7 @@ from ..errors import InvalidInputError, UnsupportedProblemError
 from ..spec.dtypes import DTYPES, dtype
 from ..spec.key import CONV_LAYOUTS, DIRECTIONS, Epilogue, KernelKey
 from .gemm import check_size, real_scalar
-from ..plan import fingerprint
+from ..plan import fingerprint, stream_now
 
 _thread_id = threading.get_ident
 
@@ -512,7 +512,8 @@ def run(registry, direction: str, x, w, y, written, options: dict):
             beta = options.get("beta", 0.0)
             option_key = _options_key(options)
             if option_key is not None:
-                key = (_thread_id(), direction, fx[1], fw[1], fy[1], beta != 0, option_key)
+                key = (_thread_id(), direction, fx[1], fw[1], fy[1], beta != 0, option_key,
+                       stream_now(x) if options.get("stream") is None and registry.device != "cpu" else None)
                 launcher = registry._launches.get(key)
         except Exception:  # an argument that cannot be fingerprinted or hashed: the full checks say what is wrong
             key = launcher = None
