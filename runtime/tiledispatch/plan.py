@@ -191,9 +191,10 @@ class Plan:
             except Exception:
                 self._ops.operands_for(self.problem, tensors)  # the full checks say what is wrong
                 raise
-        if self._args is None or tuple([p[1] for p in prints]) != self._prints:
+        ptrs, fingerprints = zip(*prints)
+        if self._args is None or fingerprints != self._prints:
             self._prepare(tensors, prints)
-        self.launch_pointers(tuple([p[0] for p in prints]))
+        self.launch_pointers(ptrs)
 
     def launch(self) -> None:
         """Launch on the tensors prepare() bound."""
