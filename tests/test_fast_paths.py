@@ -197,8 +197,11 @@ def test_named_kernel_calls_are_cached(reg, counts):
         y = poisoned(dy.shape)
         reg.conv_fwd(x, w, y, kernel=conv_name, **GEO)
         close(y, conv_expect("fwd", x, w, dy))
+        y = poisoned(dy.shape)
+        reg.conv_fwd(x, w, y, kernel=reg.kernel(conv_name), **GEO)  # a Kernel object: an entry of its own
+        close(y, conv_expect("fwd", x, w, dy))
     assert counts["gemm_checks"] - before["gemm_checks"] == 1
-    assert counts["conv_checks"] - before["conv_checks"] == 1
+    assert counts["conv_checks"] - before["conv_checks"] == 2
     assert counts["explain"] == before["explain"] and counts["rank"] == before["rank"]  # named: no selection
     a, b, out = rand(rng, (40, 24)), rand(rng, (56, 24)).T, poisoned((40, 56))
     reg.gemm(a, b, out)  # the same tensors without the name: another entry, selected

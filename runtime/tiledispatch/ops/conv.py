@@ -475,7 +475,7 @@ _SCALARS = frozenset(("alpha", "beta"))
 
 def _options_key(options: dict) -> Optional[tuple]:
     """A call's options (but alpha and beta) as a hashable key for the launch cache, or None when a value is not
-    a plain integer (or a tuple / list of them), a kernel name or None: such calls take the full checks every
+    a plain integer (or a tuple / list of them), a kernel or None: such calls take the full checks every
     time, so that a value the checks refuse but that equals an accepted one (True == 1, 1.0 == 1) never reaches
     a cached launch."""
     items = []
@@ -483,7 +483,7 @@ def _options_key(options: dict) -> Optional[tuple]:
         if name in _SCALARS:
             continue
         kind = type(value)
-        if kind is int or value is None or (name == "kernel" and kind is str):
+        if kind is int or value is None or name == "kernel":  # a kernel: its name or the Kernel object itself
             items.append((name, value))
         elif name in _EXACT_INT_OPTIONS:
             return None
@@ -494,7 +494,7 @@ def _options_key(options: dict) -> Optional[tuple]:
             items.append((name, tuple(value)))
         elif isinstance(value, np.integer):
             items.append((name, value))
-        else:  # e.g. a Kernel object: the full checks, then a launch by its name
+        else:
             return None
     return tuple(items)
 
