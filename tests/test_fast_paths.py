@@ -223,7 +223,7 @@ def test_changed_shape_strides_dtype_or_epilogue_is_checked_again(reg, counts):
         ("output strides", lambda: (a, b, poisoned((40, 56), order="F"), {})),  # column-major D: no kernel
     ]
     for what, make in calls:
-        checks = counts["gemm_checks"]
+        checks, matched = counts["gemm_checks"], counts["explain"]
         a2, b2, out, kw = make()
         try:
             reg.gemm(a2, b2, out, **kw)
@@ -233,19 +233,19 @@ def test_changed_shape_strides_dtype_or_epilogue_is_checked_again(reg, counts):
             ref = reference.gemm(a2, b2, residuals=kw.get("residuals", ()), activation=kw.get("activation", "identity"),
                                  clamp=kw.get("clamp", (-np.inf, np.inf)))
             close(out, ref, 3e-3 if what == "dtype" else 1e-4)
-        assert counts["gemm_checks"] == checks + 1, what
+        assert counts["gemm_checks"] == checks + 1 and counts["explain"] == matched + 1, what  # checked, selected
 
     x, w, dy = conv_data(rng)
     reg.conv_fwd(x, w, poisoned(dy.shape), **GEO)
     for what, kw, out_shape in [("padding", {"padding": 0}, (2, 4, 3, 2, 8)),
                                 ("stride", {"padding": 1, "stride": 2}, (2, 3, 3, 2, 8))]:
-        checks = counts["conv_checks"]
+        checks, matched = counts["conv_checks"], counts["explain"]
         out = poisoned(out_shape)
         reg.conv_fwd(x, w, out, **kw)
         p = kw.get("padding", 0)
         s = kw.get("stride", 1)
         close(out, reference.conv_fwd(x, w, (s, s), (1, 1), (p, p), (p, p)))
-        assert counts["conv_checks"] == checks + 1, what
+        assert counts["conv_checks"] == checks + 1 and counts["explain"] == matched + 1, what
 
 
 def test_alpha_and_beta_are_swapped_and_checked(reg, counts):
