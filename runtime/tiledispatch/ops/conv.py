@@ -30,7 +30,7 @@ from ..errors import InvalidInputError, UnsupportedProblemError
 from ..spec.dtypes import DTYPES, dtype
 from ..spec.key import CONV_LAYOUTS, DIRECTIONS, Epilogue, KernelKey
 from .gemm import check_size, real_scalar
-from ..plan import fingerprint, stream_now
+from ..plan import Launcher, fingerprint, stream_now
 
 _thread_id = threading.get_ident
 
@@ -542,8 +542,6 @@ def run(registry, direction: str, x, w, y, written, options: dict):
         launcher = _gemm_launcher(registry, problem, ops, alpha=alpha, beta=beta, stream=stream,
                                   num_threads=num_threads, given=(call["alpha"], call["beta"]))
     if launcher is None:
-        from ..plan import Launcher
-
         plan = registry._launch(problem, ops, kernel=kernel, stream=stream, num_threads=num_threads, alpha=alpha,
                                 beta=beta)
         launcher = Launcher(plan, call["alpha"], call["beta"])
@@ -564,7 +562,6 @@ def _gemm_launcher(registry, problem: ConvProblem, ops: Operands, *, alpha: floa
     None, with nothing written, when the problem is not pointwise or no GEMM kernel of the bundle runs it:
     the conv kernels do."""
     from . import conv_as_gemm, gemm
-    from ..plan import Launcher
 
     views = conv_as_gemm.operands(problem, ops)
     if views is None or "gemm" not in registry.ops:
