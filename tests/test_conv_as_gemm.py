@@ -83,8 +83,8 @@ def test_a_batch_slice_with_a_gap_does_not_lower():
 
 
 def _spy(registry, monkeypatch) -> list:
-    ran, real = [], registry.run
-    monkeypatch.setattr(registry, "run", lambda prob, *a, **kw: ran.append(prob.op) or real(prob, *a, **kw))
+    ran, real = [], registry._launch  # every launch of a public call is prepared there
+    monkeypatch.setattr(registry, "_launch", lambda prob, *a, **kw: ran.append(prob.op) or real(prob, *a, **kw))
     return ran
 
 

@@ -7,11 +7,15 @@ fingerprints only swaps the data pointers in the prepared td_args, after checkin
 pointers do not make the written tensor overlap a read one (a few integer comparisons, only when a
 pointer changed). Anything else goes through the full checks again, so the fast path can never run a
 kernel on arguments it did not accept.
+
+The registry's public calls keep one prepared Plan per call key in a Launcher (which also swaps alpha and
+beta), in a BoundedCache (least recently used dropped first): README, "Repeated calls".
 """
 from __future__ import annotations
 
 import ctypes
 import numbers
+from collections import OrderedDict
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -19,6 +23,7 @@ import numpy as np
 from . import abi
 from .arrays import span
 from .ops import get as ops_get
+from .ops.gemm import real_scalar
 from .errors import InvalidInputError, KernelRuntimeError, UnsupportedProblemError
 from .spec.dtypes import BY_CODE
 
@@ -37,22 +42,50 @@ def fingerprint(obj: Any) -> tuple[int, tuple]:
     """(data pointer, everything else a kernel's validity depends on: shape, strides, dtype, device and
     the pointer's alignment) with as little work as possible: one function per array type, found by a
     dictionary lookup on the type (this runs on every launch)."""
-    if obj is None:
-        return None, None
     printer = _PRINTERS.get(type(obj))
     if printer is None:
+        if obj is None:
+            return None, None
         printer = _PRINTERS.setdefault(type(obj), _printer_for(type(obj)))
     return printer(obj)
 
 
+def _numpy_pointer_offset() -> Optional[int]:
+    """Where an ndarray's data pointer lies in its object. a.ctypes.data builds a ctypes helper object on every
+    access (~0.8 us, most of a cached launch on the cpu backend); the pointer is the first field after the
+    object header of numpy's PyArrayObject (its C ABI: what PyArray_DATA reads), so it is read from there
+    (~0.1 us) where a probe of a few arrays and views agrees with a.ctypes.data; None (use a.ctypes.data)
+    where it does not."""
+    offset = object.__basicsize__  # PyObject_HEAD
+    base = np.arange(64, dtype=np.float32)
+    probes = (base, base[3:], base.reshape(8, 8)[1:, ::2].T, np.zeros((0, 4), np.float16))
+    if all(ctypes.c_void_p.from_address(id(p) + offset).value == p.ctypes.data for p in probes):
+        return offset
+    return None
+
+
+_NUMPY_POINTER_OFFSET = _numpy_pointer_offset()
+_read_pointer = ctypes.c_void_p.from_address
+
+
 def _numpy_print(a) -> tuple[int, tuple]:
+    ptr = _read_pointer(id(a) + _NUMPY_POINTER_OFFSET).value
+    return ptr, (a.shape, a.strides, a.dtype, ptr & 15, a.flags.writeable)
+
+
+def _numpy_print_slow(a) -> tuple[int, tuple]:
     ptr = a.ctypes.data
     return ptr, (a.shape, a.strides, a.dtype, ptr & 15, a.flags.writeable)
 
 
 def _torch_print(t) -> tuple[int, tuple]:
-    ptr = t.data_ptr()  # get_device(): the device index as an int (-1 on the CPU), cheaper than t.device
-    return ptr, (t.shape, t.stride(), t.dtype, t.get_device(), ptr & 15, t.requires_grad)
+    # get_device() (-1 on the CPU) and is_cuda tell the devices apart with ints and bools (cheaper to hash and
+    # compare than t.device); alignment -1 for no memory (a meta tensor, data_ptr 0, would otherwise look like a
+    # CPU one); is_neg(): a lazily negated view (e.g. the .imag of a conjugated tensor) has the same memory,
+    # shape and strides as the values it does not hold
+    ptr = t.data_ptr()
+    return ptr, (t.shape, t.stride(), t.dtype, t.get_device(), t.is_cuda, ptr & 15 if ptr else -1, t.requires_grad,
+                 t.is_neg())
 
 
 def _cupy_print(x) -> tuple[int, tuple]:
@@ -69,7 +102,7 @@ def _generic_print(obj) -> tuple[int, tuple]:
 
 def _printer_for(cls) -> Callable[[Any], tuple[int, tuple]]:
     if cls is np.ndarray:
-        return _numpy_print
+        return _numpy_print if _NUMPY_POINTER_OFFSET is not None else _numpy_print_slow
     module = cls.__module__.split(".")[0]
     return {"torch": _torch_print, "cupy": _cupy_print}.get(module, _generic_print)
 
@@ -101,6 +134,35 @@ def stream_getter(obj: Any) -> Callable[[], Any]:
     return lambda: None
 
 
+def stream_now(obj: Any):
+    """The current stream of obj's framework on obj's device (None: the default stream), cheaply. Part of the
+    launch caches' keys on GPU backends: a launch prepared on one stream (with that stream's workspace) is never
+    replayed on another."""
+    getter = _STREAM_NOW.get(type(obj))
+    if getter is None:
+        getter = _STREAM_NOW.setdefault(type(obj), _stream_now_for(type(obj)))
+    return getter(obj)
+
+
+def _stream_now_for(cls) -> Callable[[Any], Any]:
+    module = cls.__module__.split(".")[0]
+    if module == "torch":
+        import torch
+
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # an int, without a Stream object
+        if raw is not None:
+            return lambda t: raw(t.get_device()) or None
+        return lambda t: torch.cuda.current_stream(t.device).cuda_stream or None
+    if module == "cupy":
+        import cupy
+
+        return lambda x: cupy.cuda.get_current_stream().ptr or None
+    return lambda obj: None
+
+
+_STREAM_NOW: dict = {}
+
+
 class Plan:
     """Launch one kernel on one problem, again and again.
 
@@ -129,9 +191,14 @@ class Plan:
             except Exception:
                 self._ops.operands_for(self.problem, tensors)  # the full checks say what is wrong
                 raise
-        if self._args is None or tuple([p[1] for p in prints]) != self._prints:
+        ptrs, fingerprints = zip(*prints)
+        if self._args is None or fingerprints != self._prints:
             self._prepare(tensors, prints)
-        self.launch_pointers(tuple([p[0] for p in prints]))
+        self.launch_pointers(ptrs)
+
+    def launch(self) -> None:
+        """Launch on the tensors prepare() bound."""
+        self.launch_pointers(self._ptrs)
 
     def launch_pointers(self, ptrs: tuple) -> None:
         """The fast path: the data pointers, in slot order, of tensors whose fingerprints equal the validated
@@ -152,7 +219,13 @@ class Plan:
             self._raise(status)
 
     def _prepare(self, tensors: dict, prints: list) -> None:
-        operands = self._ops.operands_for(self.problem, tensors)
+        self.prepare(self._ops.operands_for(self.problem, tensors))
+        self._prints = tuple(p[1] for p in prints)
+
+    def prepare(self, operands) -> None:
+        """Bind operands that passed the op's full checks (the op module's Operands): td_args, the kernel's
+        own td_can_run, the byte spans for the overlap checks. Launch with launch_pointers."""
+        self._args = self._prints = None
         args = bind(self.registry, self.problem, self.kernel, operands, stream=self.stream,
                     num_threads=self.num_threads, **self.scalars)
         # no explicit stream: launch on the current stream of the caller's framework, looked up per call
@@ -160,13 +233,23 @@ class Plan:
         self._stream_of = stream_getter(next(v.obj for v in operands.all())) if follow else None
         status, why = self.kernel.library.can_run(args)
         if status != abi.OK:
-            self._args = None
             raise_for_status(self.kernel, status, why)
-        self._args, self._prints, self._ptrs = args, tuple(p[1] for p in prints), None
+        slots = args.num_tensors
+        self._args, self._ptrs = args, tuple(args.tensors[i].data for i in range(slots))
         self._args_ref = ctypes.byref(args)
-        self._slot_structs = [args.tensors[i] for i in range(len(prints))]
-        self._footprints(args, len(prints))
+        self._slot_structs = [args.tensors[i] for i in range(slots)]
+        self._footprints(args, slots)
         self._grad_sensitive = any(getattr(v.obj, "requires_grad", False) for v in operands.all())
+
+    def set_scalars(self, alpha, beta) -> None:
+        """Swap alpha and beta in the prepared arguments (checked as the first launch checks them). Whether
+        beta is 0 must not change: it decides whether C is read, which the preparation checked."""
+        alpha, beta = real_scalar("alpha", alpha), real_scalar("beta", beta)
+        if (beta != 0) != (self.scalars.get("beta", 0.0) != 0):
+            raise InvalidInputError("beta changed between zero and non-zero: prepare the plan again")
+        self.scalars.update(alpha=alpha, beta=beta)
+        if self._args is not None:
+            self._args.scalars[0], self._args.scalars[1] = alpha, beta
 
     def _footprints(self, args: abi.TdArgs, slots: int) -> None:
         """Each tensor's byte span relative to its pointer, for _check_disjoint."""
@@ -196,6 +279,66 @@ class Plan:
     def _raise(self, status: int) -> None:
         self._args = None  # the next call re-validates
         raise_for_status(self.kernel, status, self._reason.value.decode())
+
+
+class Launcher:
+    """A cached call of a public entry point: a prepared Plan, where its td_args slots take their pointers
+    from (pick: a function of the caller's pointers + (None,); None when they are already in slot order) and
+    the alpha / beta objects its arguments hold now."""
+    __slots__ = ("plan", "pick", "alpha", "beta")
+
+    def __init__(self, plan: Plan, alpha, beta, pick: Optional[Callable[[tuple], tuple]] = None):
+        self.plan, self.pick = plan, pick
+        self.alpha, self.beta = alpha, beta  # the caller's objects, for an identity test on the next call
+
+    def __call__(self, ptrs: tuple, alpha, beta) -> None:
+        if alpha is not self.alpha or beta is not self.beta:  # checked and swapped only when they change
+            self.plan.set_scalars(alpha, beta)
+            self.alpha, self.beta = alpha, beta
+        self.plan.launch_pointers(ptrs if self.pick is None else self.pick(ptrs + (None,)))
+
+
+class BoundedCache:
+    """A mapping of at most `size` entries that drops the least recently used first, with hit / miss counts.
+    Safe to share between threads (a concurrent eviction is a miss, never an error)."""
+
+    def __init__(self, size: int):
+        self.size, self.hits, self.misses = size, 0, 0
+        self._entries: OrderedDict = OrderedDict()
+
+    def get(self, key):
+        value = self._entries.get(key)
+        if value is None:
+            self.misses += 1
+            return None
+        try:
+            self._entries.move_to_end(key)
+        except KeyError:  # evicted by another thread since the get
+            pass
+        self.hits += 1
+        return value
+
+    def put(self, key, value) -> None:
+        entries = self._entries
+        entries[key] = value
+        entries.move_to_end(key)
+        while len(entries) > self.size:
+            try:
+                entries.popitem(last=False)
+            except KeyError:
+                break
+
+    def discard(self, key) -> None:
+        self._entries.pop(key, None)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def info(self) -> dict:
+        return {"entries": len(self._entries), "size": self.size, "hits": self.hits, "misses": self.misses}
 
 
 def _same_view(a: abi.TdTensor, b: abi.TdTensor) -> bool:

@@ -6,6 +6,7 @@ td_can_run accepts it, then ranks them. run() launches exactly one kernel, once.
 """
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Callable, Optional, Union
 
@@ -14,19 +15,21 @@ import numpy as np
 from . import abi, arrays, bundle, selection, tuning
 from . import backends
 from .ops import get as ops_get
+from .ops import conv as conv_op
 from .ops.conv import ConvProblem
 from .ops.gemm import GemmProblem, clamp_pair
-from .plan import Plan, bind, fingerprint, raise_for_status
+from .plan import BoundedCache, Launcher, Plan, bind, fingerprint, raise_for_status, stream_now
 from .errors import BundleError, InvalidInputError, UnsupportedProblemError
 from .spec.key import KernelKey
 
 
-PLAN_CACHE_SIZE = 64
+CACHE_SIZE = 1024  # entries of each of the registry's caches (launches, selections, candidate lists)
 TUNE_TOP = 12  # kernels timed by tuning: on held-out H100 shapes the fastest of the learned top 12 was within
                # 10% of the best on 99.5% of them (runtime/tiledispatch/models/cutlass_sm90a_gemm.json)
 NO_CLAMP = (float("-inf"), float("inf"))
 NO_PRINT = (None, None)  # fingerprint(None)
 _SEQUENCES = (tuple, list)  # the residuals gemm()'s fast path takes
+_thread_id = threading.get_ident
 
 
 class Kernel:
@@ -62,15 +65,53 @@ class Registry:
         self.backend, self.arch = backend, arch
         self.manifest = manifest or {}
         self.device = backends.get(backend).device
-        self.autotune = autotune
-        self.tuning = tuning_cache or tuning.TuningCache(tuning.default_path())
+        # The fast path (README, "Repeated calls"): a public call's tensor fingerprints and options -> its
+        # prepared Launcher, per thread (a Plan's td_args are rewritten by each launch) and, on a GPU, per
+        # current stream (a launch uses the workspace of the stream it was prepared on); the selection for a
+        # problem and operand layout; the kernels that can run it. The first two depend on the tuning record
+        # and autotune: all are emptied when those change (clear_caches).
+        self._launches = BoundedCache(CACHE_SIZE)
+        self._selections = BoundedCache(CACHE_SIZE)
+        self._explained = BoundedCache(CACHE_SIZE)
+        self._autotune = autotune
+        self._tuning = tuning_cache or tuning.TuningCache(tuning.default_path())
         self._device_identity: Optional[str] = None
         self._checked_runnable = False
-        self._plans: dict = {}  # gemm(): fingerprints and options -> Plan, oldest first
         self._workspaces: dict = {}  # (device, stream) -> [(buffer, bytes)], grow-only
 
     def __len__(self) -> int:
         return len(self.kernels)
+
+    # -- caches -----------------------------------------------------------------------------------
+    @property
+    def autotune(self) -> bool:
+        return self._autotune
+
+    @autotune.setter
+    def autotune(self, value: bool) -> None:
+        self._autotune = value
+        self.clear_caches()
+
+    @property
+    def tuning(self) -> tuning.TuningCache:
+        return self._tuning
+
+    @tuning.setter
+    def tuning(self, value: tuning.TuningCache) -> None:
+        self._tuning = value
+        self.clear_caches()
+
+    def clear_caches(self) -> None:
+        """Forget prepared launches, selections and candidate lists (done when autotune, the tuning cache or its
+        records change through this registry; call it after editing the tuning record by other means)."""
+        self._launches.clear()
+        self._selections.clear()
+        self._explained.clear()
+
+    def cache_info(self) -> dict:
+        """Entries, bound, hits and misses of the launch, selection and candidate caches."""
+        return {"launches": self._launches.info(), "selections": self._selections.info(),
+                "candidates": self._explained.info()}
 
     def _resolve(self, kernel: Union[Kernel, str, None]) -> Optional[Kernel]:
         """A kernel argument (a Kernel, a kernel name or None) as a Kernel or None."""
@@ -88,7 +129,16 @@ class Registry:
 
     # -- matching ---------------------------------------------------------------------------------
     def explain(self, problem, operands=None) -> list[tuple[Kernel, Optional[str]]]:
-        """Each kernel with the reason it cannot run the problem (None when it can)."""
+        """Each kernel with the reason it cannot run the problem (None when it can). Cached per problem and
+        operand layout (what td_can_run looks at: shapes, strides, dtypes, pointer alignment)."""
+        key = (problem, None if operands is None else operands.layout_key())
+        explained = self._explained.get(key)
+        if explained is None:
+            explained = self._explain(problem, operands)
+            self._explained.put(key, explained)
+        return list(explained)
+
+    def _explain(self, problem, operands) -> list[tuple[Kernel, Optional[str]]]:
         ops = ops_get(problem.op)
         out = []
         for kern in self.kernels:
@@ -108,11 +158,21 @@ class Registry:
     def select(self, problem, ranker: Union[str, Callable] = "auto", operands=None) -> Kernel:
         """The best kernel for the problem. ranker "auto": this device's tuning record for the problem
         when there is one, else "learned" (a shipped model where one covers the kernels, else "analytic")."""
+        named = isinstance(ranker, str)
+        if named and ranker != "auto" and ranker not in selection.RANKERS:
+            raise InvalidInputError(f"unknown ranker {ranker!r} (known: auto, {', '.join(selection.RANKERS)})")
+        key = (problem, None if operands is None else operands.layout_key(), ranker)
+        chosen = self._selections.get(key) if named else None  # a function's ranking may change: not cached
+        if chosen is not None:
+            return chosen
         fits = self._fits(problem, operands)
         if ranker == "auto":
-            return self._tuned(problem, fits) or selection.learned(problem, fits)[0]
-        rank = selection.RANKERS[ranker] if isinstance(ranker, str) else ranker
-        return rank(problem, fits)[0]
+            chosen = self._tuned(problem, fits) or selection.learned(problem, fits)[0]
+        else:
+            chosen = (selection.RANKERS[ranker] if named else ranker)(problem, fits)[0]
+        if named:
+            self._selections.put(key, chosen)
+        return chosen
 
     def tune(self, problem, operands, *, top: int = TUNE_TOP, stream=None, num_threads: int = 0, **scalars) -> Kernel:
         """Time the `top` best-ranked candidates on these operands (a dict or the op's Operands), remember
@@ -170,18 +230,26 @@ class Registry:
         winner = min(times, key=times.get)
         self.tuning.put(self._identity(), tuning.problem_key(problem, [k.name for k in fits]),
                         tuning.record(winner, times))
+        self.clear_caches()  # the record changes what "auto" selects
         return self.kernel(winner)
 
     def _choose(self, problem, operands, *, stream, num_threads: int, scalars: dict) -> Kernel:
         """The kernel for a launch without a named kernel: a tuning record, else (autotune) a tuning run
-        on this call's data, else the learned / analytic ranking."""
+        on this call's data, else the learned / analytic ranking. Cached per problem and operand layout."""
+        key = (problem, operands.layout_key(), "launch")
+        chosen = self._selections.get(key)
+        if chosen is not None:
+            return chosen
         fits = self._fits(problem, operands)
-        tuned = self._tuned(problem, fits)
-        if tuned is not None:
-            return tuned
-        if self.autotune and (not scalars.get("beta", 0) or arrays.copyable(operands.out)):
-            return self._tune(problem, operands, fits, top=TUNE_TOP, stream=stream, num_threads=num_threads, **scalars)
-        return selection.learned(problem, fits)[0]
+        chosen = self._tuned(problem, fits)
+        if chosen is None and self.autotune:
+            if not scalars.get("beta", 0) or arrays.copyable(operands.out):
+                return self._tune(problem, operands, fits, top=TUNE_TOP, stream=stream, num_threads=num_threads,
+                                  **scalars)  # recorded: the next call finds the record
+            return selection.learned(problem, fits)[0]  # not cached: a later call may be able to tune
+        chosen = chosen or selection.learned(problem, fits)[0]
+        self._selections.put(key, chosen)
+        return chosen
 
     # -- running ----------------------------------------------------------------------------------
     def run(self, problem, operands, *, kernel: Union[Kernel, str, None] = None, stream=None,
@@ -196,15 +264,20 @@ class Registry:
         elif not isinstance(operands, ops.Operands):
             raise InvalidInputError(f"operands must be a dict of arrays or the {problem.op} module's Operands, got "
                                     f"{type(operands).__name__}")
+        return self._launch(problem, operands, kernel=kernel, stream=stream, num_threads=num_threads,
+                            **scalars).kernel
+
+    def _launch(self, problem, operands, *, kernel, stream, num_threads: int, **scalars) -> Plan:
+        """Select a kernel (unless one is named), prepare a Plan on the checked operands and launch it once;
+        the Plan, for the launch caches."""
         kernel = self._resolve(kernel)
         if kernel is None:
             self._check_device(operands)
             kernel = self._choose(problem, operands, stream=stream, num_threads=num_threads, scalars=scalars)
-        args = bind(self, problem, kernel, operands, stream=stream, num_threads=num_threads, **scalars)
-        status, reason = kernel.library.run(args)
-        if status != abi.OK:
-            raise_for_status(kernel, status, reason)
-        return kernel
+        plan = Plan(self, problem, kernel, stream=stream, num_threads=num_threads, **scalars)
+        plan.prepare(operands)
+        plan.launch()
+        return plan
 
     def plan(self, problem, *, kernel: Union[Kernel, str, None] = None, stream=None, num_threads: int = 0,
              **scalars) -> Plan:
@@ -219,30 +292,42 @@ class Registry:
         """out = act(alpha * a @ b + beta * c + bias + sum(residuals)); returns out (allocated if None).
 
         A call with out given whose tensors and options match an earlier call's (shapes, strides,
-        dtypes, devices, alignment) reuses that call's validated Plan and only swaps pointers."""
+        dtypes, devices, alignment) reuses that call's prepared launch and only swaps pointers (and alpha /
+        beta when they changed)."""
         if type(clamp) is not tuple:
             clamp = clamp_pair(clamp)
+        key = None
         if out is not None and type(residuals) in _SEQUENCES:  # the fast path: as little Python as possible
-            # between the call and td_run
+            # between the call and td_run. The key holds everything the full checks below look at except the
+            # pointers and the values of alpha and beta (the Launcher checks and swaps those when they change),
+            # with the types of the options where equal values of other types (True == 1) must be refused.
             try:
                 fa, fb, fo = fingerprint(a), fingerprint(b), fingerprint(out)
                 fc = NO_PRINT if c is None else fingerprint(c)
                 fbias = NO_PRINT if bias is None else fingerprint(bias)
-                cache_key = (activation, alpha, beta, clamp, kernel if kernel is None or type(kernel) is str else
-                             kernel.name, stream, num_threads, fa[1], fb[1], fc[1], fo[1], fbias[1])
+                key = (_thread_id(), activation, beta != 0, clamp if clamp is NO_CLAMP else
+                       (clamp, type(clamp[0]), type(clamp[1])), kernel if kernel is None or type(kernel) is str
+                       else kernel.name, stream, type(stream), num_threads, type(num_threads),
+                       stream_now(a) if stream is None and self.device != "cpu" else None,
+                       fa[1], fb[1], fc[1], fo[1], fbias[1])
                 ptrs = (fa[0], fb[0], fc[0], fo[0], fbias[0])
                 if residuals:
                     rprints = [fingerprint(r) for r in residuals]
-                    cache_key += tuple(p[1] for p in rprints)
+                    key += tuple(p[1] for p in rprints)
                     ptrs += tuple(p[0] for p in rprints)
-                plan = self._plans.get(cache_key)
+                launcher = self._launches.get(key)
             except Exception:  # an argument that cannot be fingerprinted or hashed: the full checks below say
-                plan = None    # what is wrong with it
-            if plan is not None:
-                plan.launch_pointers(ptrs)
+                key = launcher = None  # what is wrong with it
+            if launcher is not None:
+                try:
+                    launcher(ptrs, alpha, beta)
+                except BaseException:  # e.g. an overlap of the new pointers: the next call checks everything
+                    self._launches.discard(key)
+                    raise
                 return out
         from .ops import gemm as gemm_op
 
+        given_alpha, given_beta = alpha, beta
         alpha, beta = gemm_op.real_scalar("alpha", alpha), gemm_op.real_scalar("beta", beta)
         if beta != 0 and c is None:
             raise InvalidInputError("beta != 0 needs c")
@@ -251,16 +336,10 @@ class Registry:
                                         activation=activation, clamp=clamp, kernel=kernel, num_threads=num_threads)
         problem, operands = gemm_op.operands(a, b, out, c, bias, residuals, activation)
         self._check_device(operands)
-        kernel = self._resolve(kernel)
-        chosen = kernel or self._choose(problem, operands, stream=stream, num_threads=num_threads,
-                                        scalars={"alpha": alpha, "beta": beta, "clamp": clamp})
-        plan = Plan(self, problem, chosen, stream=stream, num_threads=num_threads, alpha=alpha, beta=beta,
-                    clamp=clamp)
-        plan({"a": a, "b": b, "out": operands.out, "c": c, "bias": bias, "residuals": tuple(residuals)})
-        if out is not None:
-            self._plans[cache_key] = plan
-            while len(self._plans) > PLAN_CACHE_SIZE:
-                self._plans.pop(next(iter(self._plans)))
+        plan = self._launch(problem, operands, kernel=kernel, stream=stream, num_threads=num_threads, alpha=alpha,
+                            beta=beta, clamp=clamp)
+        if key is not None:
+            self._launches.put(key, Launcher(plan, given_alpha, given_beta))
         return operands.out
 
     def _gemm_from_host(self, a, b, out, *, c, bias, residuals, **options):
@@ -281,22 +360,17 @@ class Registry:
         return dev_out.to_host(out=ops.out)
 
     def conv_fwd(self, x, w, out=None, **options):
-        """y = alpha * conv(x, w) + beta * out (grouped, 1-3D); options: see ops.conv.operands and fwd."""
-        from .ops import conv
-
-        return conv.fwd(self, x, w, out, **options)
+        """y = alpha * conv(x, w) + beta * out (grouped, 1-3D); options: see ops.conv.operands and fwd.
+        Repeated calls are cached as gemm()'s are."""
+        return conv_op.run(self, "fwd", x, w, out, out, options)
 
     def conv_bwd_data(self, dy, w, out=None, **options):
         """dx = alpha * conv_bwd_data(dy, w) + beta * out; without out, give in_size."""
-        from .ops import conv
-
-        return conv.bwd_data(self, dy, w, out, **options)
+        return conv_op.run(self, "bwd_data", out, w, dy, out, options)
 
     def conv_bwd_weight(self, x, dy, out=None, **options):
         """dw = alpha * conv_bwd_weight(x, dy) + beta * out; without out, give filter_size."""
-        from .ops import conv
-
-        return conv.bwd_weight(self, x, dy, out, **options)
+        return conv_op.run(self, "bwd_weight", x, out, dy, out, options)
 
     def workspace(self, nbytes: int, like, stream=None) -> int:
         """A device buffer of at least nbytes, allocated once per device and stream (kernels running at once on

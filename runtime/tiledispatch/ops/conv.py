@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import numbers
 import operator
+import threading
 from dataclasses import dataclass, field
 from math import prod
+from operator import itemgetter
 from typing import ClassVar, Optional, Sequence, Union
+
+import numpy as np
 
 from .. import abi
 from ..arrays import ArrayView, check_disjoint, check_writable, empty_like_device, view
@@ -26,6 +30,9 @@ from ..errors import InvalidInputError, UnsupportedProblemError
 from ..spec.dtypes import DTYPES, dtype
 from ..spec.key import CONV_LAYOUTS, DIRECTIONS, Epilogue, KernelKey
 from .gemm import check_size, real_scalar
+from ..plan import Launcher, fingerprint, stream_now
+
+_thread_id = threading.get_ident
 
 DUMMY_PTR = 1 << 20  # aligned, never dereferenced: can-run checks look at shapes and strides only
 CONV_DIRECTIONS = DIRECTIONS[1:]
@@ -222,6 +229,11 @@ class Operands:
 
     def all(self) -> list[ArrayView]:
         return [self.x, self.w, self.y]
+
+    def layout_key(self) -> tuple:
+        """What td_can_run may look at besides the problem: each view's shape, strides, dtype and pointer
+        alignment, in slot order; the key of the registry's selection caches."""
+        return tuple((v.shape, v.strides, v.dtype, v.ptr & 15) for v in (self.x, self.w, self.y))
 
 
 # -- array forms ------------------------------------------------------------------------------------
@@ -440,57 +452,126 @@ GEOMETRY_OPTIONS = ("stride", "dilation", "padding", "pad_lo", "pad_hi", "groups
                     "spatial_dims")
 
 
-def _run(registry, direction: str, x, w, y, *, alpha: float, beta: float, kernel, stream, num_threads, **geo):
+# options whose full check wants a Python int (not a numpy integer) or None; alpha and beta are left out of the
+# launch key (the Launcher checks and swaps them)
+_EXACT_INT_OPTIONS = frozenset(("groups", "spatial_dims", "num_threads", "stream"))
+_SCALARS = frozenset(("alpha", "beta"))
+
+
+def _options_key(options: dict) -> Optional[tuple]:
+    """A call's options (but alpha and beta) as a hashable key for the launch cache, or None when a value is not
+    a plain integer (or a tuple / list of them), a kernel or None: such calls take the full checks every
+    time, so that a value the checks refuse but that equals an accepted one (True == 1, 1.0 == 1) never reaches
+    a cached launch."""
+    items = []
+    for name, value in options.items():
+        if name in _SCALARS:
+            continue
+        kind = type(value)
+        if kind is int or value is None or name == "kernel":  # a kernel: its name or the Kernel object itself
+            items.append((name, value))
+        elif name in _EXACT_INT_OPTIONS:
+            return None
+        elif kind is tuple or kind is list:
+            for v in value:
+                if type(v) is not int and not isinstance(v, np.integer):
+                    return None
+            items.append((name, tuple(value)))
+        elif isinstance(value, np.integer):
+            items.append((name, value))
+        else:
+            return None
+    return tuple(items)
+
+
+_CALL_OPTIONS = {"alpha": 1.0, "beta": 0.0, "kernel": None, "stream": None, "num_threads": 0}
+
+
+def run(registry, direction: str, x, w, y, written, options: dict):
+    """The entry points' work (fwd, bwd_data, bwd_weight and the Registry's methods, which pass their keyword
+    arguments as the dict `options`): x, w, y in the explicit roles, `written` the output given (or None)."""
+    key = launcher = None
+    if written is not None:  # the fast path, as Registry.gemm's: a launch prepared by an earlier call
+        try:
+            fx, fw, fy = fingerprint(x), fingerprint(w), fingerprint(y)
+            beta = options.get("beta", 0.0)
+            option_key = _options_key(options)
+            if option_key is not None:
+                key = (_thread_id(), direction, fx[1], fw[1], fy[1], beta != 0, option_key,
+                       stream_now(x) if options.get("stream") is None and registry.device != "cpu" else None)
+                launcher = registry._launches.get(key)
+        except Exception:  # an argument that cannot be fingerprinted or hashed: the full checks say what is wrong
+            key = launcher = None
+        if launcher is not None:
+            try:
+                launcher((fx[0], fw[0], fy[0]), options.get("alpha", 1.0), beta)
+            except BaseException:  # e.g. an overlap of the new pointers: the next call checks everything again
+                registry._launches.discard(key)
+                raise
+            return written
+    call = dict(_CALL_OPTIONS)
+    geo = {}
+    for name, value in options.items():
+        (call if name in call else geo)[name] = value
     unknown = sorted(set(geo) - set(GEOMETRY_OPTIONS))
     if unknown:
         raise InvalidInputError(f"conv {direction}: unknown option(s) {', '.join(unknown)} (known: alpha, beta, kernel, "
                                 f"stream, num_threads, {', '.join(GEOMETRY_OPTIONS)})")
-    written = {"x": x, "w": w, "y": y}[WRITES[direction]]
-    alpha, beta = real_scalar("alpha", alpha), real_scalar("beta", beta)
+    alpha, beta = real_scalar("alpha", call["alpha"]), real_scalar("beta", call["beta"])
     if beta != 0 and written is None:
         raise InvalidInputError("beta != 0 reads the previous contents of the output: pass out=")
     problem, ops = operands(direction, x, w, y, **geo)
-    if kernel is None and _run_as_gemm(registry, problem, ops, alpha=alpha, beta=beta, stream=stream,
-                                       num_threads=num_threads):
-        return ops.out
-    registry.run(problem, ops, kernel=kernel, stream=stream, num_threads=num_threads, alpha=alpha, beta=beta)
+    kernel, stream, num_threads = call["kernel"], call["stream"], call["num_threads"]
+    launcher = None
+    if kernel is None:
+        launcher = _gemm_launcher(registry, problem, ops, alpha=alpha, beta=beta, stream=stream,
+                                  num_threads=num_threads, given=(call["alpha"], call["beta"]))
+    if launcher is None:
+        plan = registry._launch(problem, ops, kernel=kernel, stream=stream, num_threads=num_threads, alpha=alpha,
+                                beta=beta)
+        launcher = Launcher(plan, call["alpha"], call["beta"])
+    if key is not None:
+        registry._launches.put(key, launcher)
     return ops.out
 
 
-def _run_as_gemm(registry, problem: ConvProblem, ops: Operands, *, alpha: float, beta: float, stream,
-                 num_threads: int) -> bool:
-    """A pointwise convolution on the bundle's GEMM kernels (ops/conv_as_gemm.py). False, with nothing
-    written, when the problem is not pointwise or no GEMM kernel of the bundle runs it: the conv kernels do."""
+# where the GEMM's td_args slots (A, B, C, D, bias) take their pointers from the caller's (x, w, y) + (None,),
+# per direction and whether beta reads C (the written tensor itself)
+_GEMM_SLOTS = {("fwd", False): itemgetter(0, 1, 3, 2, 3), ("fwd", True): itemgetter(0, 1, 2, 2, 3),
+               ("bwd_data", False): itemgetter(2, 1, 3, 0, 3), ("bwd_data", True): itemgetter(2, 1, 0, 0, 3)}
+
+
+def _gemm_launcher(registry, problem: ConvProblem, ops: Operands, *, alpha: float, beta: float, stream,
+                   num_threads: int, given: tuple):
+    """A pointwise convolution on the bundle's GEMM kernels (ops/conv_as_gemm.py), launched once: its Launcher.
+    None, with nothing written, when the problem is not pointwise or no GEMM kernel of the bundle runs it:
+    the conv kernels do."""
     from . import conv_as_gemm, gemm
 
     views = conv_as_gemm.operands(problem, ops)
     if views is None or "gemm" not in registry.ops:
-        return False
+        return None
     a, b, d = views
     gemm_problem, gemm_ops = gemm.operands(a, b, d, d if beta else None)
     try:
-        registry.run(gemm_problem, gemm_ops, stream=stream, num_threads=num_threads, alpha=alpha, beta=beta)
+        plan = registry._launch(gemm_problem, gemm_ops, kernel=None, stream=stream, num_threads=num_threads,
+                                alpha=alpha, beta=beta)
     except UnsupportedProblemError:  # no GEMM kernel fits (dtype, layout, alignment) or one refused at launch
-        return False
-    return True
+        return None
+    return Launcher(plan, *given, pick=_GEMM_SLOTS[problem.direction, beta != 0])
 
 
-def fwd(registry, x, w, out=None, *, alpha: float = 1.0, beta: float = 0.0, kernel=None, stream=None,
-        num_threads: int = 0, **geo):
-    """y = alpha * conv(x, w) + beta * out; returns out (allocated when None). geo: see operands()."""
-    return _run(registry, "fwd", x, w, out, alpha=alpha, beta=beta, kernel=kernel, stream=stream,
-                num_threads=num_threads, **geo)
+def fwd(registry, x, w, out=None, **options):
+    """y = alpha * conv(x, w) + beta * out; returns out (allocated when None). options: alpha (1.0), beta (0.0),
+    kernel, stream, num_threads and the geometry (see operands())."""
+    return run(registry, "fwd", x, w, out, out, options)
 
 
-def bwd_data(registry, dy, w, out=None, *, alpha: float = 1.0, beta: float = 0.0, kernel=None, stream=None,
-             num_threads: int = 0, **geo):
+def bwd_data(registry, dy, w, out=None, **options):
     """dx = alpha * conv_bwd_data(dy, w) + beta * out; without out, give in_size."""
-    return _run(registry, "bwd_data", out, w, dy, alpha=alpha, beta=beta, kernel=kernel, stream=stream,
-                num_threads=num_threads, **geo)
+    return run(registry, "bwd_data", out, w, dy, out, options)
 
 
-def bwd_weight(registry, x, dy, out=None, *, alpha: float = 1.0, beta: float = 0.0, kernel=None, stream=None,
-               num_threads: int = 0, **geo):
+def bwd_weight(registry, x, dy, out=None, **options):
     """dw = alpha * conv_bwd_weight(x, dy) + beta * out; without out, give filter_size."""
-    return _run(registry, "bwd_weight", x, out, dy, alpha=alpha, beta=beta, kernel=kernel, stream=stream,
-                num_threads=num_threads, **geo)
+    return run(registry, "bwd_weight", x, out, dy, out, options)

@@ -141,6 +141,12 @@ class Operands:
     def all(self) -> list[ArrayView]:
         return [v for v in (self.a, self.b, self.c, self.d, self.bias, *self.residuals) if v is not None]
 
+    def layout_key(self) -> tuple:
+        """What td_can_run may look at besides the problem: each view's shape, strides, dtype and pointer
+        alignment (None for an absent one), in slot order; the key of the registry's selection caches."""
+        return tuple(None if v is None else (v.shape, v.strides, v.dtype, v.ptr & 15)
+                     for v in (self.a, self.b, self.c, self.d, self.bias, *self.residuals))
+
 
 def _as3d(v: ArrayView, role: str, rows: Optional[int] = None) -> ArrayView:
     if v.ndim == 2:
