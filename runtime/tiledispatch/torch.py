@@ -106,12 +106,16 @@ def registry_of(handle: int) -> Registry:
     return _REGISTRIES[handle]
 
 
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda index: torch.cuda.current_stream(index).cuda_stream)  # an int, without a Stream object where torch has it
+
+
 def _registry_for(handle: int, t: torch.Tensor) -> Registry:
     """The registry that launches on t's device: on CUDA, the view of this (device, current stream)."""
     if not t.is_cuda:
         return registry_of(handle)
     index = t.get_device()
-    key = (handle, index, torch._C._cuda_getCurrentRawStream(index))
+    key = (handle, index, _raw_stream(index))
     reg = _PER_STREAM.get(key)
     if reg is None:
         base = registry_of(handle)
