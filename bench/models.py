@@ -137,29 +137,42 @@ def build(case: str, tiny: bool, vision) -> tuple[nn.Module, tuple, bool, str]:
 
 # -- timing ----------------------------------------------------------------------------------------------------
 class Timer:
-    def __init__(self, device: str, iters: int, rounds: int):
-        self.device, self.iters, self.rounds = device, iters, rounds
+    """Median over rounds of the mean time per call, each round long enough (target_ms) for the clock."""
+
+    def __init__(self, device: str, rounds: int, target_ms: float, min_iters: int = 2):
+        self.device, self.rounds, self.target_ms, self.min_iters = device, rounds, target_ms, min_iters
+
+    def _round(self, fn, iters: int) -> float:
+        if self.device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / iters
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / iters
 
     def __call__(self, fn) -> dict:
-        times = []
-        for _ in range(self.rounds):
-            if self.device == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda.synchronize()
-                start.record()
-                for _ in range(self.iters):
-                    fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / self.iters)
-            else:
-                t0 = time.perf_counter()
-                for _ in range(self.iters):
-                    fn()
-                times.append((time.perf_counter() - t0) * 1e3 / self.iters)
-        times.sort()
+        once = self._round(fn, 1)
+        iters = max(self.min_iters, min(2000, math.ceil(self.target_ms / max(once, 1e-3))))
+        times = sorted(self._round(fn, iters) for _ in range(self.rounds))
         return {"median_ms": statistics.median(times), "p10_ms": times[len(times) // 10],
-                "p90_ms": times[(9 * len(times)) // 10]}
+                "p90_ms": times[(9 * len(times)) // 10], "iters_per_round": iters, "rounds": self.rounds}
+
+
+_SIDE = []
+
+
+def _side_stream():
+    """One capture stream for the whole run: tiledispatch keeps plans and workspaces per stream."""
+    if not _SIDE:
+        _SIDE.append(torch.cuda.Stream())
+    return _SIDE[0]
 
 
 def runner(step, device: str, graph: bool, warmup: int):
@@ -169,7 +182,7 @@ def runner(step, device: str, graph: bool, warmup: int):
         for _ in range(warmup):
             step()
         return step
-    side = torch.cuda.Stream()
+    side = _side_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(warmup):
@@ -288,7 +301,8 @@ def run_case(case: str, a, reg, vision, timer: Timer) -> dict:
         if "median_ms" in entry and peer:
             entry["speedup_vs_eager_same_mode"] = peer / entry["median_ms"]
     if "tiledispatch" in models and a.layers and time.perf_counter() - a.started < a.budget_s:
-        result["layers"] = layer_gaps(models["tiledispatch"], x, training, device, timer)
+        result["layers"] = layer_gaps(models["tiledispatch"], x, training, device,
+                                      Timer(device, rounds=3 if a.quick else 5, target_ms=2 if a.quick else 5))
     return result
 
 
@@ -488,7 +502,7 @@ def main() -> None:
             ap.error("no CUDA device: use --device cpu with a cpu bundle")
         torch.backends.cudnn.benchmark = True
     a.warmup = 2 if a.quick else 5
-    timer = Timer(a.device, iters=(3 if a.quick else 10) if not a.tiny else 2, rounds=5 if a.quick else 15)
+    timer = Timer(a.device, rounds=5 if a.quick else 15, target_ms=(5 if a.tiny else 20) if a.quick else 50)
     try:
         import torchvision.models as vision
     except ImportError:
