@@ -187,6 +187,11 @@ def test_gemm_refusals_are_clear(reg):
         tdt.linear(x, w, registry=1234)
     with pytest.raises(td.UnsupportedProblemError, match="no fp64"):
         tdt.linear(x.double(), w.double(), registry=reg)
+    # bias and residual through beta * C (no kernel fuses both): checked as the fused kernels' operands are
+    with pytest.raises(td.InvalidInputError, match=r"residual 0 has shape \[1, 4\], expected \[8, 4\]"):
+        tdt.linear(x, w, rand(4), registry=reg, residuals=(rand(1, 4),))
+    with pytest.raises(td.InvalidInputError, match=r"bias has shape \[5\], expected \[4\]"):
+        tdt.linear(x, w, rand(5), registry=reg, residuals=(rand(8, 4),))
 
 
 # -- convolution ---------------------------------------------------------------------------------------------

@@ -231,9 +231,16 @@ def _gemm_impl(a, b, bias, residuals, activation, clamp_low, clamp_high, registr
 
 
 def _fill_with_sum(out: torch.Tensor, bias: Optional[torch.Tensor], residuals: Sequence[torch.Tensor]) -> None:
-    for role, t in (("bias", bias), *((f"residual {i}", r) for i, r in enumerate(residuals))):
-        if t is not None and t.dtype != out.dtype:
+    """out = bias + sum(residuals), with the checks the fused kernels' operands get (no broadcasting but the
+    bias's over rows)."""
+    for role, t, shape in (("bias", bias, out.shape[-1:]), *((f"residual {i}", r, out.shape)
+                                                              for i, r in enumerate(residuals))):
+        if t is None:
+            continue
+        if t.dtype != out.dtype:
             raise InvalidInputError(f"{role} has dtype {t.dtype}, expected {out.dtype} (the output dtype)")
+        if t.shape != shape:
+            raise InvalidInputError(f"{role} has shape {list(t.shape)}, expected {list(shape)}")
     if bias is not None:
         out.copy_(bias.expand(out.shape))
         for r in residuals:
