@@ -17,10 +17,10 @@ call them (forward and backward), so torch.compile(fullgraph=True) traces both t
 implementations.
 
 Registration: torch.library.Library("tiledispatch", "DEF") with define + impl (a Python kernel per device
-key) + register_fake. Measured on CPU with torch 2.13 (a trivial kernel, tests/test_torch_integration.py
-prints the current numbers): such an operator costs about 1.4 us above calling the Python function, a
-torch.library.custom_op about 7 us (it always runs a Python autograd kernel and argument checks before the
-implementation), and registering autograd on the operator (torch.library.register_autograd) adds about 3 us
+key) + register_fake. Measured on CPU with torch 2.13 (a trivial kernel; bench/models.py records the
+current numbers): such an operator costs about 1.4 us above calling the Python function, a
+torch.library.custom_op about 7 us (Python layers of its own around the same kernel, with or without an
+autograd formula), and registering autograd on the operator (torch.library.register_autograd) adds about 3 us
 to every call, inference included. So the operators carry no autograd kernel and the differentiable
 functions use an autograd.Function only when a gradient is needed.
 
@@ -73,20 +73,22 @@ class _Capabilities:
 
 _REGISTRIES: list[Registry] = []
 _CAPS: list[_Capabilities] = []
+_HANDLES: dict = {}  # id(registry) -> handle
 _PER_STREAM: dict = {}  # (handle, device index, raw stream) -> a Registry view with its own workspaces and plans
 
 
 def register(registry: Union[Registry, int]) -> int:
     """The handle (a small int) the operators take for this registry; the same registry keeps its handle."""
+    if type(registry) is int and 0 <= registry < len(_REGISTRIES):  # every call passes here: the cheap cases first
+        return registry
+    handle = _HANDLES.get(id(registry))
+    if handle is not None and _REGISTRIES[handle] is registry:
+        return handle
     if isinstance(registry, int) and not isinstance(registry, bool):
         registry_of(registry)
-        return registry
     if not isinstance(registry, Registry):
         raise InvalidInputError(f"registry must be a tiledispatch Registry (td.load) or a handle, got "
                                 f"{type(registry).__name__}")
-    for handle, known in enumerate(_REGISTRIES):
-        if known is registry:
-            return handle
     gemm, convs = set(), set()
     for k in registry.kernels:
         sig = k.key.signature
@@ -95,8 +97,9 @@ def register(registry: Union[Registry, int]) -> int:
             gemm.add((sig.dtype_a, sig.layout, e.activation, e.bias, e.residuals))
         elif sig.op == "conv":
             convs.add((sig.direction, sig.spatial_dims, sig.dtype_a))
-    _REGISTRIES.append(registry)
+    _REGISTRIES.append(registry)  # kept alive, so its id is never reused for another object
     _CAPS.append(_Capabilities(frozenset(gemm), frozenset(convs)))
+    _HANDLES[id(registry)] = len(_REGISTRIES) - 1
     return len(_REGISTRIES) - 1
 
 
@@ -147,25 +150,22 @@ _ROUTES: dict = {}
 
 
 def _letters(t: torch.Tensor) -> str:
-    """'r', 'c' or 'rc' (either): which major orders a [.., rows, cols] tensor's strides allow."""
-    rows, cols = t.shape[-2], t.shape[-1]
-    r = t.stride(-1) == 1 or cols == 1
-    c = t.stride(-2) == 1 or rows == 1
-    return ("r" if r else "") + ("c" if c else "")
+    """'r', 'c', 'rc' or '': the major orders a [.., rows, cols] tensor's strides give (unit stride along cols:
+    r, along rows: c). A dimension of size 1 with another stride counts as strided: at worst a needless copy."""
+    s = t.stride()
+    return ("r" if s[-1] == 1 else "") + ("c" if s[-2] == 1 else "")
 
 
 def _gemm_route(handle: int, a: torch.Tensor, b: torch.Tensor, activation: str, bias: bool,
                 residuals: int) -> _GemmRoute:
     """The route of a call, cached by everything it depends on (this runs on every call: kept lean)."""
-    key = (handle, a.dtype, activation, bias, residuals, a.stride(-1), a.stride(-2), b.stride(-1), b.stride(-2),
-           a.shape[-1] == 1, a.shape[-2] == 1, b.shape[-1] == 1, b.shape[-2] == 1)
+    sa, sb = a.stride(), b.stride()
+    key = (handle, a.dtype, activation, bias, residuals, sa[-1] == 1, sa[-2] == 1, sb[-1] == 1, sb[-2] == 1)
     route = _ROUTES.get(key)
     if route is None:
         registry_of(handle)
         route = _ROUTES[key] = _choose_route(handle, _dtype_name(a, "a"), activation, bias, residuals, _letters(a),
                                              _letters(b))
-        if len(_ROUTES) > 4096:  # strides are part of the key: bound the table for callers with ever-new views
-            _ROUTES.pop(next(iter(_ROUTES)))
     return route
 
 
@@ -214,7 +214,8 @@ def _gemm_out_dtype(a: torch.Tensor) -> torch.dtype:
 def _gemm_impl(a, b, bias, residuals, activation, clamp_low, clamp_high, registry):
     # Shapes that do not multiply are refused by reg.gemm's checks (its plan cache is keyed by shapes); only the
     # rank is checked here, before the output is allocated.
-    if a.dim() != b.dim() or a.dim() not in (2, 3):
+    rank = a.dim()
+    if rank != b.dim() or not 2 <= rank <= 3:
         _gemm_shape(a, b)
     route = _gemm_route(registry, a, b, activation, bias is not None, len(residuals))
     reg = _registry_for(registry, a) if a.is_cuda else _REGISTRIES[registry]
@@ -440,7 +441,12 @@ class _ConvFunction(torch.autograd.Function):
 
 
 def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:
+        if t is not None and t.requires_grad:
+            return True
+    return False
 
 
 # -- public functions ----------------------------------------------------------------------------------------
@@ -724,7 +730,7 @@ def _linear_kernels(handle: int, module: nn.Linear, x: torch.Tensor, training: b
     dtype = _DTYPES[module.weight.dtype]
     rows = x.numel() // x.shape[-1]
     n, k = module.weight.shape
-    a_letters = "r" if x.is_contiguous() else _letters(x.reshape(-1, k))
+    a_letters = _letters(x.reshape(-1, k))
     kernels = {"fwd": _gemm_kernel(handle, (rows, k), (k, n), dtype, a_letters, "c", module.bias is not None)}
     if training:  # grad x = g @ W (W row-major), grad W = g^T @ x: what _GemmFunction.backward runs
         kernels["bwd_data"] = _gemm_kernel(handle, (rows, n), (n, k), dtype, "r", "r", False)
