@@ -341,8 +341,8 @@ def layer_gaps(model, x, training: bool, device: str, timer: Timer) -> list:
 
 
 # -- host overhead -------------------------------------------------------------------------------------------
-def host_overhead(reg, device: str, dtype: torch.dtype, rounds: int) -> dict:
-    """Host time per call (median over rounds of 200 back-to-back calls, the clock read when the last returns):
+def host_overhead(reg, device: str, dtype: torch.dtype, rounds: int, calls: int = 200) -> dict:
+    """Host time per call (median over rounds of `calls` back-to-back calls, the clock read when the last returns):
     tiledispatch.torch's linear / conv against the registry call they wrap and against PyTorch, on small
     problems whose kernels take less time than their host work on the GPU."""
     dev = torch.device(device)
@@ -370,9 +370,9 @@ def host_overhead(reg, device: str, dtype: torch.dtype, rounds: int) -> dict:
                 if device == "cuda":
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                for _ in range(200):
+                for _ in range(calls):
                     fn()
-                samples.append((time.perf_counter() - t0) / 200 * 1e6)
+                samples.append((time.perf_counter() - t0) / calls * 1e6)
             result[name] = {"median_us": statistics.median(samples), "min_us": min(samples)}
         except Exception as e:
             result[name] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
@@ -523,7 +523,8 @@ def main() -> None:
             print(f"  {case}: {type(e).__name__}: {e}", flush=True)
         if a.device == "cuda":
             torch.cuda.empty_cache()
-    results["host_overhead"] = host_overhead(reg, a.device, DTYPES[a.dtype], rounds=9 if a.quick else 41)
+    results["host_overhead"] = host_overhead(reg, a.device, DTYPES[a.dtype], rounds=9 if a.quick else 41,
+                                             calls=20 if a.tiny else 200)
     results["wall_s"] = round(time.perf_counter() - started, 1)
     tag = "cpu_tiny" if a.tiny else (results["machine"].get("gpu", a.device).split()[-1].lower() if a.device == "cuda"
                                      else "cpu")
