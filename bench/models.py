@@ -264,7 +264,11 @@ def run_case(case: str, a, reg, vision, timer: Timer) -> dict:
         models["compile"] = torch.compile(copy.deepcopy(base))
     if "tiledispatch" in a.variants:
         patched = copy.deepcopy(base)
-        report = tdt.patch(patched, reg, example_inputs=x)
+        try:
+            report = tdt.patch(patched, reg, example_inputs=x)
+        except td.TileDispatchError as e:  # a layer the bundle cannot run: the variant records it again below
+            result["patch_error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+            report = tdt.patch(patched, reg)
         result["patch_report"] = report.to_dict()
         result["unsupported_layers"] = [r.to_dict() for r in report.unsupported]
         models["tiledispatch"] = patched
@@ -301,29 +305,42 @@ def run_case(case: str, a, reg, vision, timer: Timer) -> dict:
         if "median_ms" in entry and peer:
             entry["speedup_vs_eager_same_mode"] = peer / entry["median_ms"]
     if "tiledispatch" in models and a.layers and time.perf_counter() - a.started < a.budget_s:
-        result["layers"] = layer_gaps(models["tiledispatch"], x, training, device,
-                                      Timer(device, rounds=3 if a.quick else 5, target_ms=2 if a.quick else 5))
+        try:
+            result["layers"] = layer_gaps(models["tiledispatch"], base, x, training, device,
+                                          Timer(device, rounds=3 if a.quick else 5, target_ms=2 if a.quick else 5))
+        except Exception as e:
+            result["layers_error"] = f"{type(e).__name__}: {str(e)[:2000]}"
     return result
 
 
-def layer_gaps(model, x, training: bool, device: str, timer: Timer) -> list:
+def layer_gaps(model, reference, x, training: bool, device: str, timer: Timer) -> list:
     """Each patched layer on its own input: the bundle against PyTorch's own forward (and backward for a training
-    step), captured in CUDA graphs on the GPU so that only kernel time counts."""
-    inputs = {}
-    hooks = [m.register_forward_pre_hook(lambda m, args: inputs.setdefault(m, args[0].detach().clone()))
-             for m in model.modules() if hasattr(m, tdt._PATCH_ATTR)]
-    with torch.no_grad():
-        model(x)
-    for h in hooks:
-        h.remove()
+    step), captured in CUDA graphs on the GPU so that only kernel time counts. The inputs are recorded from the
+    unpatched reference model, so that a layer the bundle cannot run shows up as that layer's error."""
+    patched = {n: m for n, m in model.named_modules() if hasattr(m, tdt._PATCH_ATTR)}
+    inputs = {}  # layer name -> (its input, whether the model's backward pass asks for the input's gradient)
+
+    def record(name):
+        def hook(module, args) -> None:  # a pre-hook returning something would replace the layer's input
+            inputs.setdefault(name, (args[0].detach().clone(), args[0].requires_grad))
+        return hook
+
+    hooks = [m.register_forward_pre_hook(record(n)) for n, m in reference.named_modules() if n in patched]
+    try:
+        with torch.set_grad_enabled(training):
+            reference(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    zero_grads(reference)
     rows = []
-    names = {m: n for n, m in model.named_modules()}
-    for module, inp in inputs.items():
-        row = {"layer": names[module], "kind": type(module).__name__, "input": list(inp.shape)}
+    for name, (inp, input_grad) in inputs.items():
+        module = patched[name]
+        row = {"layer": name, "kind": type(module).__name__, "input": list(inp.shape)}
         for variant, forward in (("tiledispatch", module.forward), ("pytorch", type(module).forward.__get__(module))):
             def step(forward=forward):
-                if training:
-                    xi = inp.detach().requires_grad_(inp.is_floating_point())
+                if training:  # as in the model: no input gradient for the first layer (it would need bwd_data)
+                    xi = inp.detach().requires_grad_(input_grad)
                     y = forward(xi)
                     y.backward(torch.ones_like(y))
                 else:
