@@ -112,6 +112,8 @@ def test_linear_matches_float64_reference(reg, dtype, bias):
     ref = F.linear(x.double(), w.double(), b.double() if bias else None)
     assert out.shape == (3, 37, 23) and out.dtype == dtype
     assert rel_err(out, ref) < TOL[dtype]
+    one = tdt.linear(x[0, 0], w, b, registry=reg)  # a single vector, as F.linear takes it
+    assert one.shape == (23,) and rel_err(one, ref[0, 0]) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

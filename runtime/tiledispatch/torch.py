@@ -452,7 +452,7 @@ def _needs_grad(*tensors) -> bool:
 # -- public functions ----------------------------------------------------------------------------------------
 def matmul(a: torch.Tensor, b: torch.Tensor, *, registry, bias: Optional[torch.Tensor] = None,
            residuals: Sequence[torch.Tensor] = (), activation: str = "identity", clamp=None) -> torch.Tensor:
-    """act(a @ b + bias + sum(residuals)) on the bundle: a [..., m, k] @ b [k, n], or a [B, m, k] @ b [B, k, n]
+    """act(a @ b + bias + sum(residuals)) on the bundle: a [..., k] @ b [k, n], or a [B, m, k] @ b [B, k, n]
     (batched). Differentiable (activations: the derivative of each; gelu and silu recompute the pre-activation
     through the bundle in the backward pass)."""
     handle = register(registry)
@@ -460,9 +460,9 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, registry, bias: Optional[torch.T
         raise InvalidInputError(f"unknown activation {activation!r} (known: {', '.join(ACTIVATIONS)})")
     low, high = NO_CLAMP if clamp is None else (float(clamp[0]), float(clamp[1]))
     lead = None
-    if b.dim() == 2 and a.dim() != 2:  # [..., m, k] @ [k, n]: one GEMM over the rows of every leading index
-        if a.dim() < 2:
-            raise InvalidInputError(f"matmul: a has shape {list(a.shape)}, expected [..., m, k]")
+    if b.dim() == 2 and a.dim() != 2:  # [..., k] @ [k, n]: one GEMM over the rows of every leading index
+        if a.dim() < 1:
+            raise InvalidInputError(f"matmul: a has shape {list(a.shape)}, expected [..., k]")
         lead = a.shape[:-1]
         a = a.reshape(-1, a.shape[-1])
         residuals = tuple(r.reshape(-1, r.shape[-1]) for r in residuals)
