@@ -25,6 +25,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -457,6 +458,12 @@ def machine(device: str, reg, bundle: str) -> dict:
     return info
 
 
+def gpu_tag(name: str) -> str:
+    """'h100' for 'NVIDIA H100 80GB HBM3': the model number, else the whole name as a file-name word."""
+    m = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Za-z]?)\b", name)
+    return (m.group(1) if m else re.sub(r"\W+", "_", name)).lower()
+
+
 def finite(obj):
     """obj with NaN and infinities as None: standard JSON."""
     if isinstance(obj, float):
@@ -543,8 +550,7 @@ def main() -> None:
     results["host_overhead"] = host_overhead(reg, a.device, DTYPES[a.dtype], rounds=9 if a.quick else 41,
                                              calls=20 if a.tiny else 200)
     results["wall_s"] = round(time.perf_counter() - started, 1)
-    tag = "cpu_tiny" if a.tiny else (results["machine"].get("gpu", a.device).split()[-1].lower() if a.device == "cuda"
-                                     else "cpu")
+    tag = "cpu_tiny" if a.tiny else ("cpu" if a.device == "cpu" else gpu_tag(results["machine"]["gpu"]))
     path = out_dir / f"models_{tag}.json"
     path.write_text(json.dumps(finite(results), indent=1, default=str, allow_nan=False))
     png = out_dir / f"models_{tag}.png"
