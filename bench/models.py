@@ -124,7 +124,8 @@ def build(case: str, tiny: bool, vision) -> tuple[nn.Module, tuple, bool, str]:
     if case.startswith("llama"):
         d = TINY_LLAMA if tiny else LLAMA
         tokens = 16 if (tiny and "prefill" in case) else (2048 if "prefill" in case else int(case.split("decode")[1]))
-        return LlamaLinears(d), (tokens, d["hidden"]), False, f"Llama-3-8B decoder-layer linears{' (tiny)' if tiny else ''}"
+        what = f"Llama-3-8B decoder-layer linears{' (tiny)' if tiny else ''}"
+        return LlamaLinears(d), (tokens, d["hidden"]), False, what
     batch, size = (2, 32) if tiny else (32, 224)
     if vision is not None and not tiny:
         model = {"resnet50_train": vision.resnet50, "mobilenet_v2": vision.mobilenet_v2,

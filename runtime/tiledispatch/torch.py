@@ -176,7 +176,9 @@ def _choose_route(handle, dtype, activation, bias, residuals, letters_a, letters
     best = None
     for layout in sorted({c[1] for c in caps if c[0] == dtype and c[1][2] == "r"}):
         for epi, fold in ((exact, False), (plain, True)):
-            if (dtype, layout, epi.activation, epi.bias, epi.residuals) not in caps or (fold and not (bias or residuals)):
+            if fold and not (bias or residuals):
+                continue
+            if (dtype, layout, epi.activation, epi.bias, epi.residuals) not in caps:
                 continue
             copy_a = None if layout[0] in letters_a else layout[0]
             copy_b = None if layout[1] in letters_b else layout[1]
@@ -397,7 +399,7 @@ class _GemmFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, bias, activation, clamp_low, clamp_high, handle, *residuals):
         out = _gemm_op(a, b, bias, list(residuals), activation, clamp_low, clamp_high, handle)
-        ctx.activation, ctx.clamp, ctx.handle, ctx.residuals = activation, (clamp_low, clamp_high), handle, len(residuals)
+        ctx.activation, ctx.clamp, ctx.handle = activation, (clamp_low, clamp_high), handle
         ctx.save_for_backward(a, b, bias, out, *(residuals if activation in _NEEDS_PRE else ()))
         return out
 
@@ -546,7 +548,8 @@ class PatchReport:
         lines = [f"tiledispatch.patch: {len(self.patched)} layer(s) on the bundle, {len(self.unsupported)} on PyTorch"]
         for r in self.layers:
             where = "bundle " if r.status == "tiledispatch" else "PyTorch"
-            detail = r.reason or "; ".join(f"{d}: {k}" for d, k in r.kernels.items()) or "kernels chosen per input shape"
+            detail = (r.reason or "; ".join(f"{d}: {k}" for d, k in r.kernels.items())
+                      or "kernels chosen per input shape")
             lines.append(f"  {r.name or '(model)'} [{r.kind} {r.dtype}] {where} {detail}")
             lines += [f"      note: {n}" for n in r.notes]
         return "\n".join(lines)
