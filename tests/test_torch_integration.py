@@ -377,6 +377,29 @@ def test_patch_matches_the_unpatched_model_and_unpatch_restores(reg, monkeypatch
     assert list(model.state_dict()) == list(twin.state_dict())
 
 
+def test_patch_under_autocast_matches_torch_autocast(reg):
+    """fp32 parameters run in bf16 under torch.autocast, as torch's own layers do; the gradients come back fp32."""
+    torch.manual_seed(0)
+    model = SmallNet()
+    twin = copy.deepcopy(model)
+    x = rand(2, 3, 8, 8, seed=32)
+    report = tdt.patch(model, reg, autocast=torch.bfloat16, example_inputs=x)
+    status = {r.name: r for r in report.layers}
+    # the test bundle's bf16 convolutions are 2D only: the Conv1d stays on PyTorch, named as such
+    assert status["temporal"].status == "pytorch" and "no bf16 conv1d" in status["temporal"].reason
+    assert all(r.status == "tiledispatch" and r.dtype == "bf16" for n, r in status.items() if n != "temporal")
+    assert all("bf16" in k for r in report.patched for k in r.kernels.values())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+        ref = twin(x)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    assert rel_err(out, ref) < 2e-2
+    out.float().square().sum().backward()
+    ref.float().square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert p.grad.dtype == torch.float32 and rel_err(p.grad, q.grad) < 5e-2, name
+
+
 def test_patch_leaves_unsupported_dtypes_on_pytorch_and_patched_layers_raise(reg):
     model = nn.Sequential(nn.Linear(8, 8).double(), nn.Conv2d(4, 4, 3).half(), nn.Conv3d(2, 2, 1).half(),
                           nn.Conv2d(4, 4, 3))

@@ -442,6 +442,17 @@ class _ConvFunction(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None, None
 
 
+def _autocast(tensors: tuple) -> tuple:
+    """Under torch.autocast, the floating tensors (float64 excepted) cast to its dtype, as torch's own linear and
+    conv inputs are (an autograd-recorded cast: the gradients come back in the parameters' dtype)."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dt = torch.get_autocast_dtype(device)
+    return tuple(t.to(dt) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
+                 for t in tensors)
+
+
 def _needs_grad(*tensors) -> bool:
     if not torch.is_grad_enabled():
         return False
@@ -456,11 +467,12 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, registry, bias: Optional[torch.T
            residuals: Sequence[torch.Tensor] = (), activation: str = "identity", clamp=None) -> torch.Tensor:
     """act(a @ b + bias + sum(residuals)) on the bundle: a [..., k] @ b [k, n], or a [B, m, k] @ b [B, k, n]
     (batched). Differentiable (activations: the derivative of each; gelu and silu recompute the pre-activation
-    through the bundle in the backward pass)."""
+    through the bundle in the backward pass). Under torch.autocast the operands are cast to its dtype."""
     handle = register(registry)
     if activation not in ACTIVATIONS:
         raise InvalidInputError(f"unknown activation {activation!r} (known: {', '.join(ACTIVATIONS)})")
     low, high = NO_CLAMP if clamp is None else (float(clamp[0]), float(clamp[1]))
+    a, b, bias, *residuals = _autocast((a, b, bias, *residuals))
     lead = None
     if b.dim() == 2 and a.dim() != 2:  # [..., k] @ [k, n]: one GEMM over the rows of every leading index
         if a.dim() < 1:
@@ -504,6 +516,7 @@ def conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     lo = _per_dim("pad_lo", pad_lo if pad_lo is not None else padding, rank)
     hi = _per_dim("pad_hi", pad_hi if pad_hi is not None else padding, rank)
     stride, dilation = _per_dim("stride", stride, rank), _per_dim("dilation", dilation, rank)
+    x, weight, bias = _autocast((x, weight, bias))
     if _needs_grad(x, weight, bias):
         return _ConvFunction.apply(x, weight, bias, stride, dilation, lo, hi, groups, handle)
     return _conv_fwd_op(x, weight, bias, stride, dilation, lo, hi, groups, handle)
@@ -609,7 +622,7 @@ def _missing(handle: int, module: nn.Module, kind: str, dtype: str, training: bo
     return None
 
 
-def patch(model: nn.Module, registry, *, example_inputs=None) -> PatchReport:
+def patch(model: nn.Module, registry, *, example_inputs=None, autocast: Optional[torch.dtype] = None) -> PatchReport:
     """Route the model's nn.Linear and nn.Conv1d/2d/3d layers through the bundle (their forward is replaced;
     parameters, buffers and state_dict stay as they are) and report, per layer, the kernels chosen or why the
     layer stays on PyTorch: only a dtype or op the bundle was not built for (for a layer whose parameters
@@ -617,7 +630,9 @@ def patch(model: nn.Module, registry, *, example_inputs=None) -> PatchReport:
     problem the bundle cannot run raises UnsupportedProblemError.
 
     example_inputs: a tensor or tuple of tensors; the model is run once on them (under torch.no_grad) to record
-    each patched layer's input and report the kernel selected for it per direction."""
+    each patched layer's input and report the kernel selected for it per direction.
+    autocast: the dtype the model will run in under torch.autocast (e.g. torch.float16): layers with float32
+    parameters are then checked against it (the example run happens under autocast too)."""
     handle = register(registry)
     layers = []
     for name, module in model.named_modules():
@@ -626,7 +641,8 @@ def patch(model: nn.Module, registry, *, example_inputs=None) -> PatchReport:
             continue
         if hasattr(module, _PATCH_ATTR):
             _unpatch_module(module)
-        dtype = _DTYPES.get(module.weight.dtype, str(module.weight.dtype).replace("torch.", ""))
+        compute = autocast if autocast is not None and module.weight.dtype == torch.float32 else module.weight.dtype
+        dtype = _DTYPES.get(compute, str(compute).replace("torch.", ""))
         training = any(p.requires_grad for p in module.parameters(recurse=False))
         reason = _missing(handle, module, kind, dtype, training)
         if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
@@ -635,7 +651,9 @@ def patch(model: nn.Module, registry, *, example_inputs=None) -> PatchReport:
             layers.append(LayerReport(name, kind, dtype, "pytorch", reason))
             continue
         report = LayerReport(name, kind, dtype, "tiledispatch", notes=_static_notes(handle, module, kind, dtype))
-        state = {"handle": handle, "report": report}
+        if compute != module.weight.dtype:
+            report.notes.append(f"fp32 parameters, computed in {dtype} under torch.autocast")
+        state = {"handle": handle, "report": report, "dtype": dtype}
         if kind != "Linear":
             state["pad_lo"], state["pad_hi"] = _conv_padding(module)
         setattr(module, _PATCH_ATTR, state)
@@ -644,7 +662,7 @@ def patch(model: nn.Module, registry, *, example_inputs=None) -> PatchReport:
         layers.append(report)
     result = PatchReport(layers)
     if example_inputs is not None:
-        _record_kernels(model, handle, example_inputs)
+        _record_kernels(model, handle, example_inputs, autocast)
     return result
 
 
@@ -682,17 +700,18 @@ def _static_notes(handle: int, module: nn.Module, kind: str, dtype: str) -> list
     return notes
 
 
-def _record_kernels(model: nn.Module, handle: int, example_inputs) -> None:
+def _record_kernels(model: nn.Module, handle: int, example_inputs, autocast: Optional[torch.dtype]) -> None:
     """Run the model once and fill each patched layer's report with the kernels selected for its input."""
     seen = {}
 
     def hook(module, args):
         seen[module] = args[0]
 
+    inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     hooks = [m.register_forward_pre_hook(hook) for m in model.modules() if hasattr(m, _PATCH_ATTR)]
     try:
-        with torch.no_grad():
-            model(*(example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)))
+        with torch.no_grad(), torch.autocast(inputs[0].device.type, dtype=autocast, enabled=autocast is not None):
+            model(*inputs)
     finally:
         for h in hooks:
             h.remove()
@@ -730,7 +749,7 @@ def _gemm_kernel(handle: int, a_shape, b_shape, dtype: str, letters_a: str, lett
 
 
 def _linear_kernels(handle: int, module: nn.Linear, x: torch.Tensor, training: bool) -> dict:
-    dtype = _DTYPES[module.weight.dtype]
+    dtype = getattr(module, _PATCH_ATTR)["dtype"]
     rows = x.numel() // x.shape[-1]
     n, k = module.weight.shape
     a_letters = _letters(x.reshape(-1, k))
@@ -742,7 +761,7 @@ def _linear_kernels(handle: int, module: nn.Linear, x: torch.Tensor, training: b
 
 
 def _conv_kernels(handle: int, module, state: dict, x: torch.Tensor, training: bool) -> dict:
-    dtype = _DTYPES[module.weight.dtype]
+    dtype = state["dtype"]
     k, cg = module.weight.shape[:2]
     geo = dict(stride=tuple(module.stride), dilation=tuple(module.dilation), pad_lo=tuple(state["pad_lo"]),
                pad_hi=tuple(state["pad_hi"]))
