@@ -442,9 +442,14 @@ class _ConvFunction(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None, None
 
 
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (lambda: True)  # the cheap first test
+
+
 def _autocast(tensors: tuple) -> tuple:
     """Under torch.autocast, the floating tensors (float64 excepted) cast to its dtype, as torch's own linear and
     conv inputs are (an autograd-recorded cast: the gradients come back in the parameters' dtype)."""
+    if not _any_autocast():
+        return tensors
     device = tensors[0].device.type
     if not torch.is_autocast_enabled(device):
         return tensors
