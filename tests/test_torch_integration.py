@@ -400,15 +400,21 @@ def test_patch_under_autocast_matches_torch_autocast(reg):
         assert p.grad.dtype == torch.float32 and rel_err(p.grad, q.grad) < 5e-2, name
 
 
+class ScaledLinear(nn.Linear):
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
 def test_patch_leaves_unsupported_dtypes_on_pytorch_and_patched_layers_raise(reg):
     model = nn.Sequential(nn.Linear(8, 8).double(), nn.Conv2d(4, 4, 3).half(), nn.Conv3d(2, 2, 1).half(),
-                          nn.Conv2d(4, 4, 3))
+                          nn.Conv2d(4, 4, 3), ScaledLinear(4, 4))
     report = tdt.patch(model, reg)
     status = {r.name: (r.status, r.reason) for r in report.layers}
     assert status["0"] == ("pytorch", "the bundle has no fp64 GEMM kernels")
     assert status["1"][0] == "tiledispatch"
     assert status["2"][0] == "pytorch" and "no fp16 conv3d fwd / bwd_data / bwd_weight kernels" in status["2"][1]
-    assert len(report.unsupported) == 2
+    assert status["4"] == ("pytorch", "ScaledLinear overrides Linear.forward: not a plain Linear call")
+    assert len(report.unsupported) == 3
     assert "forward" not in model[0].__dict__  # left exactly as it was
     # a patched layer that later meets a problem the bundle cannot run raises; it never falls back to torch
     model[3].double()

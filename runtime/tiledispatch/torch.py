@@ -574,6 +574,7 @@ class PatchReport:
 
 
 _CONV_TYPES = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
+_BASE_FORWARD = {"Linear": nn.Linear.forward, **{f"Conv{rank}d": cls.forward for cls, rank in _CONV_TYPES.items()}}
 _PATCH_ATTR = "_tiledispatch_patch"
 
 
@@ -652,6 +653,8 @@ def patch(model: nn.Module, registry, *, example_inputs=None, autocast: Optional
         reason = _missing(handle, module, kind, dtype, training)
         if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
             reason = "nn.MultiheadAttention reads this projection's weight itself (F.multi_head_attention_forward)"
+        elif type(module).forward is not _BASE_FORWARD[kind]:  # replacing it would drop what the subclass computes
+            reason = f"{type(module).__name__} overrides {kind}.forward: not a plain {kind} call"
         if reason:
             layers.append(LayerReport(name, kind, dtype, "pytorch", reason))
             continue
