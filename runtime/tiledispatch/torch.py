@@ -1,0 +1,798 @@
+"""tiledispatch.torch: a bundle's GEMM and grouped convolution as PyTorch operators.
+
+    import tiledispatch as td, tiledispatch.torch as tdt
+    reg = td.load("build/fp16_rcr_essential+conv_fp16_all_essential")
+    y = tdt.linear(x, weight, bias, registry=reg)             # differentiable, traceable by torch.compile
+    report = tdt.patch(model, reg)                            # nn.Linear / nn.Conv1d/2d/3d through the bundle
+    print(report); tdt.unpatch(model)
+
+Operators (torch.ops.tiledispatch.*; registries are passed as the small integer handle of register(), since
+an operator takes no Python objects):
+    gemm(a, b, bias, residuals, activation, clamp_low, clamp_high, registry)    act(a @ b + bias + sum(residuals))
+    conv_fwd(x, w, bias, stride, dilation, pad_lo, pad_hi, groups, registry)
+    conv_bwd_data(dy, w, in_size, stride, dilation, pad_lo, pad_hi, groups, registry)
+    conv_bwd_weight(x, dy, filter_size, stride, dilation, pad_lo, pad_hi, groups, registry)
+They are not differentiable themselves: linear(), matmul() and conv() are, through autograd Functions that
+call them (forward and backward), so torch.compile(fullgraph=True) traces both through the fake
+implementations.
+
+Registration: torch.library.Library("tiledispatch", "DEF") with define + impl (a Python kernel per device
+key) + register_fake. Measured on CPU with torch 2.13 (a trivial kernel; bench/models.py records the
+current numbers): such an operator costs about 1.4 us above calling the Python function, a
+torch.library.custom_op about 7 us (Python layers of its own around the same kernel, with or without an
+autograd formula), and registering autograd on the operator (torch.library.register_autograd) adds about 3 us
+to every call, inference included. So the operators carry no autograd kernel and the differentiable
+functions use an autograd.Function only when a gradient is needed.
+
+Layouts: the bundle's conv kernels take channels-last memory with a group axis. A torch conv input
+[N, C, spatial...] whose memory is channels-last (torch.channels_last / channels_last_3d; for 1D, [N, W, C]
+memory) IS that layout (N, spatial..., G, C/G), and a weight [K, C/G, filter...] in channels-last memory is
+(G, K/G, filter..., C/G): both are used in place. Anything else is converted by one copy per call (outputs
+are always allocated channels-last). GEMM operands are used in place when the bundle has a kernel of their
+layout, else copied into one it has (say, rcr only: the weight of a Linear is used in place in the forward
+pass; the backward pass copies).
+
+CUDA graphs: the operators allocate only their outputs and the conversions above through torch's allocator,
+never synchronize, and launch on torch's current stream. Each (registry, stream) pair has its own registry
+view (the same loaded kernels), so workspaces (Registry.workspace) and plans are per stream: a kernel that
+needs a workspace gets it on its first call on a stream, from torch's allocator, and keeps it.
+"""
+from __future__ import annotations
+
+import math
+import types
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import InvalidInputError, UnsupportedProblemError
+from .ops import conv_as_gemm
+from .ops.conv import ConvProblem
+from .ops.gemm import GemmProblem
+from .registry import Registry
+from .spec.key import ACTIVATIONS, Epilogue
+
+__all__ = ["register", "registry_of", "linear", "matmul", "conv", "patch", "unpatch", "PatchReport", "LayerReport"]
+
+_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "int8",
+           torch.float64: "fp64"}  # fp64: a dtype tiledispatch knows, which a bundle may lack (a clear refusal)
+NO_CLAMP = (float("-inf"), float("inf"))
+
+# -- registries by handle ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Capabilities:
+    """What a registry's kernels compute, for routing without asking every kernel."""
+    gemm: frozenset  # (dtype, layout, activation, bias, residuals)
+    conv: frozenset  # (direction, spatial_dims, dtype)
+
+
+_REGISTRIES: list[Registry] = []
+_CAPS: list[_Capabilities] = []
+_HANDLES: dict = {}  # id(registry) -> handle
+_PER_STREAM: dict = {}  # (handle, device index, raw stream) -> a Registry view with its own workspaces and plans
+
+
+def register(registry: Union[Registry, int]) -> int:
+    """The handle (a small int) the operators take for this registry; the same registry keeps its handle."""
+    if type(registry) is int and 0 <= registry < len(_REGISTRIES):  # every call passes here: the cheap cases first
+        return registry
+    handle = _HANDLES.get(id(registry))
+    if handle is not None and _REGISTRIES[handle] is registry:
+        return handle
+    if isinstance(registry, int) and not isinstance(registry, bool):
+        registry_of(registry)
+    if not isinstance(registry, Registry):
+        raise InvalidInputError(f"registry must be a tiledispatch Registry (td.load) or a handle, got "
+                                f"{type(registry).__name__}")
+    gemm, convs = set(), set()
+    for k in registry.kernels:
+        sig = k.key.signature
+        if sig.op == "gemm":
+            e = sig.epilogue
+            gemm.add((sig.dtype_a, sig.layout, e.activation, e.bias, e.residuals))
+        elif sig.op == "conv":
+            convs.add((sig.direction, sig.spatial_dims, sig.dtype_a))
+    _REGISTRIES.append(registry)  # kept alive, so its id is never reused for another object
+    _CAPS.append(_Capabilities(frozenset(gemm), frozenset(convs)))
+    _HANDLES[id(registry)] = len(_REGISTRIES) - 1
+    return len(_REGISTRIES) - 1
+
+
+def registry_of(handle: int) -> Registry:
+    if isinstance(handle, bool) or not isinstance(handle, int) or not 0 <= handle < len(_REGISTRIES):
+        raise InvalidInputError(f"no registry has handle {handle!r}: pass a Registry or a handle from register()")
+    return _REGISTRIES[handle]
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda index: torch.cuda.current_stream(index).cuda_stream)  # an int, without a Stream object where torch has it
+
+
+def _registry_for(handle: int, t: torch.Tensor) -> Registry:
+    """The registry that launches on t's device: on CUDA, the view of this (device, current stream)."""
+    if not t.is_cuda:
+        return registry_of(handle)
+    index = t.get_device()
+    key = (handle, index, _raw_stream(index))
+    reg = _PER_STREAM.get(key)
+    if reg is None:
+        base = registry_of(handle)
+        reg = _PER_STREAM[key] = Registry(base.kernels, base.backend, base.arch, base.manifest,
+                                          autotune=base.autotune, tuning_cache=base.tuning)
+    return reg
+
+
+def _dtype_name(t: torch.Tensor, role: str) -> str:
+    name = _DTYPES.get(t.dtype)
+    if name is None:
+        raise InvalidInputError(f"{role}: dtype {t.dtype} has no tiledispatch equivalent")
+    return name
+
+
+# -- GEMM routing ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _GemmRoute:
+    """How one GEMM call runs on the bundle: the layout letters A and B are brought to (None: used in place)
+    and whether bias / residuals go in through beta * C (the bundle has no kernel fusing them)."""
+    layout: str
+    copy_a: Optional[str]
+    copy_b: Optional[str]
+    fold: bool
+    epilogue: Epilogue
+
+
+_ROUTES: dict = {}
+
+
+def _letters(t: torch.Tensor) -> str:
+    """'r', 'c', 'rc' or '': the major orders a [.., rows, cols] tensor's strides give (unit stride along cols:
+    r, along rows: c). A dimension of size 1 with another stride counts as strided: at worst a needless copy."""
+    s = t.stride()
+    return ("r" if s[-1] == 1 else "") + ("c" if s[-2] == 1 else "")
+
+
+def _gemm_route(handle: int, a: torch.Tensor, b: torch.Tensor, activation: str, bias: bool,
+                residuals: int) -> _GemmRoute:
+    """The route of a call, cached by everything it depends on (this runs on every call: kept lean)."""
+    sa, sb = a.stride(), b.stride()
+    key = (handle, a.dtype, activation, bias, residuals, sa[-1] == 1, sa[-2] == 1, sb[-1] == 1, sb[-2] == 1)
+    route = _ROUTES.get(key)
+    if route is None:
+        registry_of(handle)
+        route = _ROUTES[key] = _choose_route(handle, _dtype_name(a, "a"), activation, bias, residuals, _letters(a),
+                                             _letters(b))
+    return route
+
+
+def _choose_route(handle, dtype, activation, bias, residuals, letters_a, letters_b) -> _GemmRoute:
+    caps = _CAPS[handle].gemm
+    exact = Epilogue(activation, bias, residuals)
+    plain = Epilogue(activation, False, 0)
+    best = None
+    for layout in sorted({c[1] for c in caps if c[0] == dtype and c[1][2] == "r"}):
+        for epi, fold in ((exact, False), (plain, True)):
+            if fold and not (bias or residuals):
+                continue
+            if (dtype, layout, epi.activation, epi.bias, epi.residuals) not in caps:
+                continue
+            copy_a = None if layout[0] in letters_a else layout[0]
+            copy_b = None if layout[1] in letters_b else layout[1]
+            cost = (copy_a is not None) + (copy_b is not None), fold  # fewest copies, then a fused epilogue
+            if best is None or cost < best[0]:
+                best = cost, _GemmRoute(layout, copy_a, copy_b, fold, epi)
+            break
+    if best is None:
+        what = f"{activation}" + (" + bias" if bias else "") + (f" + {residuals} residual(s)" if residuals else "")
+        have = sorted({f"{c[1]} {c[2]}{' + bias' if c[3] else ''}" for c in caps if c[0] == dtype})
+        raise UnsupportedProblemError(
+            f"the bundle has no {dtype} GEMM kernel with a row-major output computing {what}"
+            + (f" (its {dtype} GEMM kernels: {', '.join(have)})" if have else f" (it has no {dtype} GEMM kernels)"))
+    return best[1]
+
+
+def _to_major(t: torch.Tensor, letter: str) -> torch.Tensor:
+    return t.contiguous() if letter == "r" else t.mT.contiguous().mT
+
+
+# -- operator implementations ----------------------------------------------------------------------------
+def _gemm_shape(a: torch.Tensor, b: torch.Tensor) -> tuple:
+    if a.dim() not in (2, 3) or b.dim() != a.dim():
+        raise InvalidInputError(f"tiledispatch::gemm takes a [m, k] @ b [k, n] or a [B, m, k] @ b [B, k, n]; got "
+                                f"shapes {list(a.shape)} and {list(b.shape)}")
+    if a.shape[-1] != b.shape[-2] or (a.dim() == 3 and a.shape[0] != b.shape[0]):
+        raise InvalidInputError(f"tiledispatch::gemm: shapes {list(a.shape)} and {list(b.shape)} do not multiply")
+    return (*a.shape[:-1], b.shape[-1])
+
+
+def _gemm_out_dtype(a: torch.Tensor) -> torch.dtype:
+    return torch.int32 if a.dtype == torch.int8 else a.dtype
+
+
+def _gemm_impl(a, b, bias, residuals, activation, clamp_low, clamp_high, registry):
+    # Shapes that do not multiply are refused by reg.gemm's checks (its plan cache is keyed by shapes); only the
+    # rank is checked here, before the output is allocated.
+    rank = a.dim()
+    if rank != b.dim() or not 2 <= rank <= 3:
+        _gemm_shape(a, b)
+    route = _gemm_route(registry, a, b, activation, bias is not None, len(residuals))
+    reg = _registry_for(registry, a) if a.is_cuda else _REGISTRIES[registry]
+    out = a.new_empty((*a.shape[:-1], b.shape[-1]), dtype=torch.int32 if a.dtype == torch.int8 else a.dtype)
+    if route.copy_a:
+        a = _to_major(a, route.copy_a)
+    if route.copy_b:
+        b = _to_major(b, route.copy_b)
+    clamp = (clamp_low, clamp_high) if activation == "clamp" else NO_CLAMP
+    if route.fold:  # D = act(A @ B + 1 * C) with C = bias + residuals, written into D first (C may alias D)
+        _fill_with_sum(out, bias, residuals)
+        return reg.gemm(a, b, out, c=out, beta=1.0, activation=activation, clamp=clamp)
+    return reg.gemm(a, b, out, bias=bias, residuals=residuals, activation=activation, clamp=clamp)
+
+
+def _fill_with_sum(out: torch.Tensor, bias: Optional[torch.Tensor], residuals: Sequence[torch.Tensor]) -> None:
+    """out = bias + sum(residuals), with the checks the fused kernels' operands get (no broadcasting but the
+    bias's over rows)."""
+    for role, t, shape in (("bias", bias, out.shape[-1:]), *((f"residual {i}", r, out.shape)
+                                                              for i, r in enumerate(residuals))):
+        if t is None:
+            continue
+        if t.dtype != out.dtype:
+            raise InvalidInputError(f"{role} has dtype {t.dtype}, expected {out.dtype} (the output dtype)")
+        if t.shape != shape:
+            raise InvalidInputError(f"{role} has shape {list(t.shape)}, expected {list(shape)}")
+    if bias is not None:
+        out.copy_(bias.expand(out.shape))
+        for r in residuals:
+            out.add_(r)
+    else:
+        out.copy_(residuals[0])
+        for r in residuals[1:]:
+            out.add_(r)
+
+
+def _gemm_fake(a, b, bias, residuals, activation, clamp_low, clamp_high, registry):
+    return a.new_empty(_gemm_shape(a, b), dtype=_gemm_out_dtype(a))
+
+
+def _is_channels_last(t: torch.Tensor) -> bool:
+    """Whether t [N or K, C, spatial...] has channels-last memory, the bundle's layout."""
+    if t.dim() == 4:
+        return t.is_contiguous(memory_format=torch.channels_last)
+    if t.dim() == 5:
+        return t.is_contiguous(memory_format=torch.channels_last_3d)
+    return t.transpose(1, -1).is_contiguous() if t.dim() == 3 else t.movedim(1, -1).is_contiguous()
+
+
+def _channels_last(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its memory is channels-last, else a channels-last copy (same logical shape)."""
+    if _is_channels_last(t):
+        return t
+    return t.movedim(1, -1).contiguous().movedim(-1, 1)
+
+
+def _empty_channels_last(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+    """A new [N, C, spatial...] tensor whose memory is [N, spatial..., C]."""
+    lead, chan, spatial = shape[0], shape[1], shape[2:]
+    return like.new_empty((lead, *spatial, chan)).movedim(-1, 1)
+
+
+def _out_size(in_size, filter_size, stride, dilation, pad_lo, pad_hi) -> list:
+    return [(i + lo + hi - d * (f - 1) - 1) // s + 1
+            for i, f, s, d, lo, hi in zip(in_size, filter_size, stride, dilation, pad_lo, pad_hi)]
+
+
+def _geometry(stride, dilation, pad_lo, pad_hi, groups) -> dict:
+    return {"stride": stride, "dilation": dilation, "pad_lo": pad_lo, "pad_hi": pad_hi, "groups": groups}
+
+
+def _check_conv_dtypes(*tensors) -> None:
+    first = tensors[0][1]
+    for role, t in tensors:
+        if t is not None and t.dtype != first.dtype:
+            raise InvalidInputError(f"conv: {role} has dtype {t.dtype}, {tensors[0][0]} has {first.dtype}")
+
+
+def _conv_fwd_shape(x, w, stride, dilation, pad_lo, pad_hi):
+    return (x.shape[0], w.shape[0], *_out_size(x.shape[2:], w.shape[2:], stride, dilation, pad_lo, pad_hi))
+
+
+def _conv_fwd_impl(x, w, bias, stride, dilation, pad_lo, pad_hi, groups, registry):
+    _check_conv_dtypes(("x", x), ("w", w), ("bias", bias))
+    reg = _registry_for(registry, x)
+    x, w = _channels_last(x), _channels_last(w)
+    y = _empty_channels_last(_conv_fwd_shape(x, w, stride, dilation, pad_lo, pad_hi), x)
+    beta = 0.0
+    if bias is not None:  # y = conv + 1 * y, y holding the bias first: the add happens in the kernel's epilogue
+        if bias.shape != (w.shape[0],):
+            raise InvalidInputError(f"conv bias has shape {list(bias.shape)}, expected [{w.shape[0]}]")
+        y.copy_(bias.view(1, -1, *([1] * (x.dim() - 2))).expand(y.shape))
+        beta = 1.0
+    return reg.conv_fwd(x, w, y, beta=beta, **_geometry(stride, dilation, pad_lo, pad_hi, groups))
+
+
+def _conv_fwd_fake(x, w, bias, stride, dilation, pad_lo, pad_hi, groups, registry):
+    return _empty_channels_last(_conv_fwd_shape(x, w, stride, dilation, pad_lo, pad_hi), x)
+
+
+def _conv_bwd_data_impl(dy, w, in_size, stride, dilation, pad_lo, pad_hi, groups, registry):
+    _check_conv_dtypes(("dy", dy), ("w", w))
+    reg = _registry_for(registry, dy)
+    dy, w = _channels_last(dy), _channels_last(w)
+    dx = _empty_channels_last((dy.shape[0], w.shape[1] * groups, *in_size), dy)
+    return reg.conv_bwd_data(dy, w, dx, **_geometry(stride, dilation, pad_lo, pad_hi, groups))
+
+
+def _conv_bwd_data_fake(dy, w, in_size, stride, dilation, pad_lo, pad_hi, groups, registry):
+    return _empty_channels_last((dy.shape[0], w.shape[1] * groups, *in_size), dy)
+
+
+def _conv_bwd_weight_impl(x, dy, filter_size, stride, dilation, pad_lo, pad_hi, groups, registry):
+    _check_conv_dtypes(("x", x), ("dy", dy))
+    reg = _registry_for(registry, x)
+    x, dy = _channels_last(x), _channels_last(dy)
+    dw = _empty_channels_last((dy.shape[1], x.shape[1] // groups, *filter_size), x)
+    return reg.conv_bwd_weight(x, dy, dw, **_geometry(stride, dilation, pad_lo, pad_hi, groups))
+
+
+def _conv_bwd_weight_fake(x, dy, filter_size, stride, dilation, pad_lo, pad_hi, groups, registry):
+    return _empty_channels_last((dy.shape[1], x.shape[1] // groups, *filter_size), x)
+
+
+_GEO = "int[] stride, int[] dilation, int[] pad_lo, int[] pad_hi, int groups, int registry"
+_LIB = torch.library.Library("tiledispatch", "DEF")
+_SCHEMAS = {
+    "gemm": ("gemm(Tensor a, Tensor b, Tensor? bias, Tensor[] residuals, str activation, float clamp_low, "
+             "float clamp_high, int registry) -> Tensor", _gemm_impl, _gemm_fake),
+    "conv_fwd": (f"conv_fwd(Tensor x, Tensor w, Tensor? bias, {_GEO}) -> Tensor", _conv_fwd_impl, _conv_fwd_fake),
+    "conv_bwd_data": (f"conv_bwd_data(Tensor dy, Tensor w, SymInt[] in_size, {_GEO}) -> Tensor", _conv_bwd_data_impl,
+                      _conv_bwd_data_fake),
+    "conv_bwd_weight": (f"conv_bwd_weight(Tensor x, Tensor dy, SymInt[] filter_size, {_GEO}) -> Tensor",
+                        _conv_bwd_weight_impl, _conv_bwd_weight_fake),
+}
+for _name, (_schema, _impl, _fake) in _SCHEMAS.items():
+    _LIB.define(_schema)
+    for _key in ("CPU", "CUDA"):
+        _LIB.impl(_name, _impl, _key)
+    torch.library.register_fake(f"tiledispatch::{_name}", _fake, lib=_LIB)
+
+_ops = torch.ops.tiledispatch
+_gemm_op = _ops.gemm.default
+_conv_fwd_op = _ops.conv_fwd.default
+_conv_bwd_data_op = _ops.conv_bwd_data.default
+_conv_bwd_weight_op = _ops.conv_bwd_weight.default
+
+
+# -- autograd ----------------------------------------------------------------------------------------------
+def _activation_grad(g, out, pre, activation: str, clamp: tuple):
+    """dL/d(pre-activation) from dL/d(out); pre is None for the activations whose derivative the output gives."""
+    if activation == "identity":
+        return g
+    if activation == "relu":
+        return g * (out > 0)
+    if activation == "clamp":
+        return g * ((out > clamp[0]) & (out < clamp[1]))
+    if activation == "sigmoid":
+        return g * out * (1 - out)
+    if activation == "tanh":
+        return g * (1 - out * out)
+    if activation in ("gelu_tanh", "gelu_erf"):
+        return torch.ops.aten.gelu_backward(g, pre, approximate="tanh" if activation == "gelu_tanh" else "none")
+    return torch.ops.aten.silu_backward(g, pre)
+
+
+_NEEDS_PRE = ("gelu_tanh", "gelu_erf", "silu")
+
+
+def _grad_in_layout_of(t: torch.Tensor, lhs, rhs, handle: int) -> torch.Tensor:
+    """lhs @ rhs (the gradient of t), computed so that it comes out in t's major order: a column-major t
+    (e.g. the weight view of a Linear) gets (rhs^T @ lhs^T)^T."""
+    if "r" not in _letters(t):
+        return _gemm_op(rhs.mT, lhs.mT, None, [], "identity", *NO_CLAMP, handle).mT
+    return _gemm_op(lhs, rhs, None, [], "identity", *NO_CLAMP, handle)
+
+
+class _GemmFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, bias, activation, clamp_low, clamp_high, handle, *residuals):
+        out = _gemm_op(a, b, bias, list(residuals), activation, clamp_low, clamp_high, handle)
+        ctx.activation, ctx.clamp, ctx.handle = activation, (clamp_low, clamp_high), handle
+        ctx.save_for_backward(a, b, bias, out, *(residuals if activation in _NEEDS_PRE else ()))
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        a, b, bias, out, *residuals = ctx.saved_tensors
+        pre = None
+        if ctx.activation in _NEEDS_PRE:  # recomputed through the bundle rather than stored by the forward pass
+            pre = _gemm_op(a, b, bias, residuals, "identity", *NO_CLAMP, ctx.handle)
+        g = _activation_grad(g.contiguous(), out, pre, ctx.activation, ctx.clamp)
+        ga = _grad_in_layout_of(a, g, b.mT, ctx.handle) if ctx.needs_input_grad[0] else None
+        gb = _grad_in_layout_of(b, a.mT, g, ctx.handle) if ctx.needs_input_grad[1] else None
+        gbias = g.sum(dim=tuple(range(g.dim() - 1))) if ctx.needs_input_grad[2] else None
+        gres = tuple(g if need else None for need in ctx.needs_input_grad[7:])
+        return (ga, gb, gbias, None, None, None, None, *gres)
+
+
+class _ConvFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, bias, stride, dilation, pad_lo, pad_hi, groups, handle):
+        x, w = _channels_last(x), _channels_last(w)  # converted once, kept for the backward pass
+        y = _conv_fwd_op(x, w, bias, stride, dilation, pad_lo, pad_hi, groups, handle)
+        ctx.geometry = (stride, dilation, pad_lo, pad_hi, groups, handle)
+        ctx.save_for_backward(x, w)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gy):
+        x, w = ctx.saved_tensors
+        gy = _channels_last(gy)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = _conv_bwd_data_op(gy, w, x.shape[2:], *ctx.geometry)
+        if ctx.needs_input_grad[1]:
+            dw = _conv_bwd_weight_op(x, gy, w.shape[2:], *ctx.geometry)
+        if ctx.needs_input_grad[2]:
+            db = gy.sum(dim=(0, *range(2, gy.dim())))
+        return dx, dw, db, None, None, None, None, None, None
+
+
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (lambda: True)  # the cheap first test
+
+
+def _autocast(tensors: tuple) -> tuple:
+    """Under torch.autocast, the floating tensors (float64 excepted) cast to its dtype, as torch's own linear and
+    conv inputs are (an autograd-recorded cast: the gradients come back in the parameters' dtype)."""
+    if not _any_autocast():
+        return tensors
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dt = torch.get_autocast_dtype(device)
+    return tuple(t.to(dt) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
+                 for t in tensors)
+
+
+def _needs_grad(*tensors) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:
+        if t is not None and t.requires_grad:
+            return True
+    return False
+
+
+# -- public functions ----------------------------------------------------------------------------------------
+def matmul(a: torch.Tensor, b: torch.Tensor, *, registry, bias: Optional[torch.Tensor] = None,
+           residuals: Sequence[torch.Tensor] = (), activation: str = "identity", clamp=None) -> torch.Tensor:
+    """act(a @ b + bias + sum(residuals)) on the bundle: a [..., k] @ b [k, n], or a [B, m, k] @ b [B, k, n]
+    (batched). Differentiable (activations: the derivative of each; gelu and silu recompute the pre-activation
+    through the bundle in the backward pass). Under torch.autocast the operands are cast to its dtype."""
+    handle = register(registry)
+    if activation not in ACTIVATIONS:
+        raise InvalidInputError(f"unknown activation {activation!r} (known: {', '.join(ACTIVATIONS)})")
+    low, high = NO_CLAMP if clamp is None else (float(clamp[0]), float(clamp[1]))
+    a, b, bias, *residuals = _autocast((a, b, bias, *residuals))
+    lead = None
+    if b.dim() == 2 and a.dim() != 2:  # [..., k] @ [k, n]: one GEMM over the rows of every leading index
+        if a.dim() < 1:
+            raise InvalidInputError(f"matmul: a has shape {list(a.shape)}, expected [..., k]")
+        lead = a.shape[:-1]
+        a = a.reshape(-1, a.shape[-1])
+        residuals = tuple(r.reshape(-1, r.shape[-1]) for r in residuals)
+    if _needs_grad(a, b, bias, *residuals):
+        out = _GemmFunction.apply(a, b, bias, activation, low, high, handle, *residuals)
+    else:
+        out = _gemm_op(a, b, bias, list(residuals), activation, low, high, handle)
+    return out if lead is None else out.view(*lead, out.shape[-1])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *, registry,
+           residuals: Sequence[torch.Tensor] = (), activation: str = "identity", clamp=None) -> torch.Tensor:
+    """act(x @ weight^T + bias + sum(residuals)), as torch.nn.functional.linear (weight [out, in])."""
+    return matmul(x, weight.t(), registry=registry, bias=bias, residuals=residuals, activation=activation,
+                  clamp=clamp)
+
+
+def _per_dim(name: str, value, rank: int) -> list:
+    values = [value] * rank if isinstance(value, int) else list(value)
+    if len(values) != rank:
+        raise InvalidInputError(f"conv {name} must be an int or {rank} ints, got {value!r}")
+    return values
+
+
+def conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *, registry, stride=1,
+         padding=0, dilation=1, groups: int = 1, pad_lo=None, pad_hi=None) -> torch.Tensor:
+    """torch.nn.functional.conv1d / 2d / 3d (by the rank of x: [N, C, W], [N, C, H, W], [N, C, D, H, W]) on the
+    bundle; padding symmetric, or pad_lo / pad_hi per side. The output is channels-last. Differentiable
+    (grad input: bwd_data, grad weight: bwd_weight, grad bias: a sum)."""
+    handle = register(registry)
+    rank = x.dim() - 2
+    if rank not in (1, 2, 3) or weight.dim() != x.dim():
+        raise InvalidInputError(f"conv takes x [N, C, spatial...] with 1-3 spatial dims and weight [K, C/G, "
+                                f"filter...] of the same rank; got {list(x.shape)} and {list(weight.shape)}")
+    if (pad_lo is None) != (pad_hi is None):
+        raise InvalidInputError("give both pad_lo and pad_hi, or padding")
+    lo = _per_dim("pad_lo", pad_lo if pad_lo is not None else padding, rank)
+    hi = _per_dim("pad_hi", pad_hi if pad_hi is not None else padding, rank)
+    stride, dilation = _per_dim("stride", stride, rank), _per_dim("dilation", dilation, rank)
+    x, weight, bias = _autocast((x, weight, bias))
+    if _needs_grad(x, weight, bias):
+        return _ConvFunction.apply(x, weight, bias, stride, dilation, lo, hi, groups, handle)
+    return _conv_fwd_op(x, weight, bias, stride, dilation, lo, hi, groups, handle)
+
+
+# -- patch / unpatch -----------------------------------------------------------------------------------------
+@dataclass
+class LayerReport:
+    """One nn.Linear / nn.Conv layer: routed through the bundle ("tiledispatch") or left on PyTorch ("pytorch",
+    with the reason: a dtype or op the bundle was not built for). kernels: the kernel selected per direction
+    for the example input (patch(..., example_inputs=...)); notes: conversions each call makes."""
+    name: str
+    kind: str
+    dtype: str
+    status: str
+    reason: str = ""
+    notes: list = field(default_factory=list)
+    kernels: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "dtype": self.dtype, "status": self.status,
+                "reason": self.reason, "notes": list(self.notes), "kernels": dict(self.kernels)}
+
+
+@dataclass
+class PatchReport:
+    layers: list
+
+    @property
+    def patched(self) -> list:
+        return [r for r in self.layers if r.status == "tiledispatch"]
+
+    @property
+    def unsupported(self) -> list:
+        return [r for r in self.layers if r.status != "tiledispatch"]
+
+    def to_dict(self) -> dict:
+        return {"patched": len(self.patched), "unsupported": len(self.unsupported),
+                "layers": [r.to_dict() for r in self.layers]}
+
+    def __str__(self) -> str:
+        lines = [f"tiledispatch.patch: {len(self.patched)} layer(s) on the bundle, {len(self.unsupported)} on PyTorch"]
+        for r in self.layers:
+            where = "bundle " if r.status == "tiledispatch" else "PyTorch"
+            detail = (r.reason or "; ".join(f"{d}: {k}" for d, k in r.kernels.items())
+                      or "kernels chosen per input shape")
+            lines.append(f"  {r.name or '(model)'} [{r.kind} {r.dtype}] {where} {detail}")
+            lines += [f"      note: {n}" for n in r.notes]
+        return "\n".join(lines)
+
+
+_CONV_TYPES = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
+_BASE_FORWARD = {"Linear": nn.Linear.forward, **{f"Conv{rank}d": cls.forward for cls, rank in _CONV_TYPES.items()}}
+_PATCH_ATTR = "_tiledispatch_patch"
+
+
+def _layer_kind(module: nn.Module) -> Optional[str]:
+    if isinstance(module, nn.Linear):
+        return "Linear"
+    for cls, rank in _CONV_TYPES.items():
+        if isinstance(module, cls):
+            return f"Conv{rank}d"
+    return None
+
+
+def _conv_padding(module) -> tuple[list, list]:
+    """(pad_lo, pad_hi) of a Conv module's own zero padding (none when padding_mode pads the input itself)."""
+    rank = len(module.kernel_size)
+    if module.padding_mode != "zeros":
+        return [0] * rank, [0] * rank
+    if module.padding == "valid":
+        return [0] * rank, [0] * rank
+    if module.padding == "same":  # torch's split of the total: the smaller half first
+        total = [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size)]
+        return [t // 2 for t in total], [t - t // 2 for t in total]
+    return list(module.padding), list(module.padding)
+
+
+def _patched_linear_forward(self, x):
+    return linear(x, self.weight, self.bias, registry=getattr(self, _PATCH_ATTR)["handle"])
+
+
+def _patched_conv_forward(self, x):
+    state = getattr(self, _PATCH_ATTR)
+    if self.padding_mode != "zeros":  # reflect / replicate / circular: padded by torch, as nn.Conv does
+        x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
+    return conv(x, self.weight, self.bias, registry=state["handle"], stride=list(self.stride),
+                dilation=list(self.dilation), groups=self.groups, pad_lo=state["pad_lo"], pad_hi=state["pad_hi"])
+
+
+def _missing(handle: int, module: nn.Module, kind: str, dtype: str, training: bool) -> Optional[str]:
+    """Why the bundle cannot run this layer's op and dtype, or None."""
+    caps = _CAPS[handle]
+    if kind == "Linear":
+        if not any(c[0] == dtype and c[2] == "identity" and c[1][2] == "r" for c in caps.gemm):
+            return f"the bundle has no {dtype} GEMM kernels"
+        return None
+    rank = int(kind[4])
+    directions = ("fwd", "bwd_data", "bwd_weight") if training else ("fwd",)
+    lacking = [d for d in directions if (d, rank, dtype) not in caps.conv]
+    if lacking:
+        return (f"the bundle has no {dtype} conv{rank}d {' / '.join(lacking)} kernels"
+                + (" (the layer's parameters require grad)" if training and "fwd" not in lacking else ""))
+    return None
+
+
+def patch(model: nn.Module, registry, *, example_inputs=None, autocast: Optional[torch.dtype] = None) -> PatchReport:
+    """Route the model's nn.Linear and nn.Conv1d/2d/3d layers through the bundle (their forward is replaced;
+    parameters, buffers and state_dict stay as they are) and report, per layer, the kernels chosen or why the
+    layer stays on PyTorch: only a dtype or op the bundle was not built for (for a layer whose parameters
+    require grad, the conv backward directions count). A patched layer never falls back at call time: a
+    problem the bundle cannot run raises UnsupportedProblemError.
+
+    example_inputs: a tensor or tuple of tensors; the model is run once on them (under torch.no_grad) to record
+    each patched layer's input and report the kernel selected for it per direction.
+    autocast: the dtype the model will run in under torch.autocast (e.g. torch.float16): layers with float32
+    parameters are then checked against it (the example run happens under autocast too)."""
+    handle = register(registry)
+    layers = []
+    for name, module in model.named_modules():
+        kind = _layer_kind(module)
+        if kind is None:
+            continue
+        if hasattr(module, _PATCH_ATTR):
+            _unpatch_module(module)
+        compute = autocast if autocast is not None and module.weight.dtype == torch.float32 else module.weight.dtype
+        dtype = _DTYPES.get(compute, str(compute).replace("torch.", ""))
+        training = any(p.requires_grad for p in module.parameters(recurse=False))
+        reason = _missing(handle, module, kind, dtype, training)
+        if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
+            reason = "nn.MultiheadAttention reads this projection's weight itself (F.multi_head_attention_forward)"
+        elif type(module).forward is not _BASE_FORWARD[kind]:  # replacing it would drop what the subclass computes
+            reason = f"{type(module).__name__} overrides {kind}.forward: not a plain {kind} call"
+        if reason:
+            layers.append(LayerReport(name, kind, dtype, "pytorch", reason))
+            continue
+        report = LayerReport(name, kind, dtype, "tiledispatch", notes=_static_notes(handle, module, kind, dtype))
+        if compute != module.weight.dtype:
+            report.notes.append(f"fp32 parameters, computed in {dtype} under torch.autocast")
+        state = {"handle": handle, "report": report, "dtype": dtype}
+        if kind != "Linear":
+            state["pad_lo"], state["pad_hi"] = _conv_padding(module)
+        setattr(module, _PATCH_ATTR, state)
+        module.forward = types.MethodType(_patched_linear_forward if kind == "Linear" else _patched_conv_forward,
+                                          module)
+        layers.append(report)
+    result = PatchReport(layers)
+    if example_inputs is not None:
+        _record_kernels(model, handle, example_inputs, autocast)
+    return result
+
+
+def unpatch(model: nn.Module) -> None:
+    """Undo patch(): every layer runs its own forward again."""
+    for module in model.modules():
+        if hasattr(module, _PATCH_ATTR):
+            _unpatch_module(module)
+
+
+def _unpatch_module(module: nn.Module) -> None:
+    delattr(module, _PATCH_ATTR)
+    if "forward" in module.__dict__:
+        del module.__dict__["forward"]
+
+
+def _static_notes(handle: int, module: nn.Module, kind: str, dtype: str) -> list:
+    notes = []
+    if kind == "Linear":
+        if module.bias is not None:
+            try:
+                route = _choose_route(handle, dtype, "identity", True, 0, "r", "c")
+                if route.fold:
+                    notes.append("bias added through the kernel's beta * C (the bundle has no bias-fused kernel)")
+            except UnsupportedProblemError:
+                pass
+        return notes
+    if not _is_channels_last(module.weight):
+        notes.append("weight converted to channels-last on every call (model.to(memory_format=torch.channels_last) "
+                     "avoids it)")
+    if module.bias is not None:
+        notes.append("bias added through the kernel's beta * Y (the output is filled with the bias first)")
+    if module.padding_mode != "zeros":
+        notes.append(f"input padded by torch ({module.padding_mode}) before the convolution")
+    return notes
+
+
+def _record_kernels(model: nn.Module, handle: int, example_inputs, autocast: Optional[torch.dtype]) -> None:
+    """Run the model once and fill each patched layer's report with the kernels selected for its input."""
+    seen = {}
+
+    def hook(module, args):
+        seen[module] = args[0]
+
+    inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    hooks = [m.register_forward_pre_hook(hook) for m in model.modules() if hasattr(m, _PATCH_ATTR)]
+    try:
+        with torch.no_grad(), torch.autocast(inputs[0].device.type, dtype=autocast, enabled=autocast is not None):
+            model(*inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    for module, x in seen.items():
+        state = getattr(module, _PATCH_ATTR)
+        report = state["report"]
+        training = any(p.requires_grad for p in module.parameters(recurse=False))
+        if report.kind == "Linear":
+            report.kernels.update(_linear_kernels(handle, module, x, training))
+        else:
+            if module.padding_mode != "zeros":
+                x = F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode)
+            if not _is_channels_last(x):
+                report.notes.append("input converted to channels-last on every call (its memory is not channels-last)")
+            report.kernels.update(_conv_kernels(handle, module, state, x, training))
+
+
+def _select_name(handle: int, problem) -> str:
+    try:
+        return registry_of(handle).select(problem).name
+    except UnsupportedProblemError as e:
+        return f"NO KERNEL: {str(e).splitlines()[0]}"
+
+
+def _gemm_kernel(handle: int, a_shape, b_shape, dtype: str, letters_a: str, letters_b: str, bias: bool) -> str:
+    try:
+        route = _choose_route(handle, dtype, "identity", bias, 0, letters_a, letters_b)
+    except UnsupportedProblemError as e:
+        return f"NO KERNEL: {e}"
+    (m, k), n = a_shape, b_shape[-1]
+    problem = GemmProblem(m, n, k, dtype, dtype, "int32" if dtype == "int8" else dtype, route.layout, 1, route.epilogue)
+    copies = [f"{role} copied to {'row' if letter == 'r' else 'column'}-major" for role, letter in
+              (("A", route.copy_a), ("B", route.copy_b)) if letter]
+    return _select_name(handle, problem) + (f" ({', '.join(copies)})" if copies else "")
+
+
+def _linear_kernels(handle: int, module: nn.Linear, x: torch.Tensor, training: bool) -> dict:
+    dtype = getattr(module, _PATCH_ATTR)["dtype"]
+    rows = x.numel() // x.shape[-1]
+    n, k = module.weight.shape
+    a_letters = _letters(x.reshape(-1, k))
+    kernels = {"fwd": _gemm_kernel(handle, (rows, k), (k, n), dtype, a_letters, "c", module.bias is not None)}
+    if training:  # grad x = g @ W (W row-major), grad W = g^T @ x: what _GemmFunction.backward runs
+        kernels["bwd_data"] = _gemm_kernel(handle, (rows, n), (n, k), dtype, "r", "r", False)
+        kernels["bwd_weight"] = _gemm_kernel(handle, (n, rows), (rows, k), dtype, "c", "r", False)
+    return kernels
+
+
+def _conv_kernels(handle: int, module, state: dict, x: torch.Tensor, training: bool) -> dict:
+    dtype = state["dtype"]
+    k, cg = module.weight.shape[:2]
+    geo = dict(stride=tuple(module.stride), dilation=tuple(module.dilation), pad_lo=tuple(state["pad_lo"]),
+               pad_hi=tuple(state["pad_hi"]))
+    kernels = {}
+    for direction in ("fwd", "bwd_data", "bwd_weight") if training else ("fwd",):
+        problem = ConvProblem(direction, x.shape[0], module.groups, cg * module.groups, k, tuple(x.shape[2:]),
+                              tuple(module.weight.shape[2:]), **geo, dtype_x=dtype, dtype_w=dtype, dtype_y=dtype)
+        kernels[direction] = _conv_kernel_name(handle, problem)
+    return kernels
+
+
+def _conv_kernel_name(handle: int, problem: ConvProblem) -> str:
+    """The kernel reg.conv_fwd / conv_bwd_data choose: a pointwise dense problem first as a GEMM over the
+    bundle's GEMM kernels (ops/conv_as_gemm.py), else a conv kernel."""
+    reg = registry_of(handle)
+    if conv_as_gemm.applies(problem) and "gemm" in reg.ops:
+        pixels = problem.n * math.prod(problem.in_size)
+        if problem.direction == "fwd":
+            gemm = GemmProblem(pixels, problem.k, problem.c, problem.dtype_x, problem.dtype_w, problem.dtype_y, "rcr")
+        else:
+            gemm = GemmProblem(pixels, problem.c, problem.k, problem.dtype_y, problem.dtype_w, problem.dtype_x, "rrr")
+        try:
+            return reg.select(gemm).name
+        except UnsupportedProblemError:
+            pass
+    return _select_name(handle, problem)
