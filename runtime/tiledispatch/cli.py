@@ -4,7 +4,7 @@ one JSON object (standard JSON: a non-finite number prints as null). BUNDLE is a
 
 python -m tiledispatch pack BUNDLE [BUNDLE ...] -o NAME.tdpack [--sign KEYFILE] [--tuning FILE]
 python -m tiledispatch keygen KEYFILE        (writes KEYFILE, private, and KEYFILE.pub)
-python -m tiledispatch wheel NAME.tdpack [-o DIR]
+python -m tiledispatch wheel NAME.tdpack [-o DIR] [--name NAME] [--version X.Y.Z]
 
 Exit status: 0 success; 1 validation failed (run --validate); 2 any error, printed as
 {"status": "error", "error": TYPE, "message": ...}; 141 (128 + SIGPIPE, as a shell reports for a tool
@@ -394,7 +394,7 @@ def cmd_keygen(a) -> int:
 def cmd_wheel(a) -> int:
     from . import wheel
 
-    path = wheel.build(a.pack, a.output, name=a.name)
+    path = wheel.build(a.pack, a.output, name=a.name, version=a.version)
     _print({"wheel": str(path)})
     return 0
 
@@ -427,6 +427,7 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("pack", help="NAME.tdpack")
     sp.add_argument("-o", "--output", default=".", help="directory for the wheel (default: .)")
     sp.add_argument("--name", help="the name td.load finds it by (default: the pack file's name without .tdpack)")
+    sp.add_argument("--version", default="1.0.0", help="the wheel's version (default: 1.0.0)")
     return ap
 
 
