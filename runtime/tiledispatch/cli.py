@@ -4,6 +4,7 @@ one JSON object (standard JSON: a non-finite number prints as null). BUNDLE is a
 
 python -m tiledispatch pack BUNDLE [BUNDLE ...] -o NAME.tdpack [--sign KEYFILE] [--tuning FILE]
 python -m tiledispatch keygen KEYFILE        (writes KEYFILE, private, and KEYFILE.pub)
+python -m tiledispatch extract NAME.tdpack [--trust PUBLIC_KEY]   (the checked bundle directories, e.g. for C++)
 python -m tiledispatch wheel NAME.tdpack [-o DIR] [--name NAME] [--version X.Y.Z]
 
 Exit status: 0 success; 1 validation failed (run --validate); 2 any error, printed as
@@ -391,6 +392,16 @@ def cmd_keygen(a) -> int:
     return 0
 
 
+def cmd_extract(a) -> int:
+    from . import pack
+
+    opened = pack.open_pack(a.pack, trust=a.trust)
+    _print({"pack": a.pack, "sha256": opened.digest, "cache": str(opened.root), "signed_by": opened.signed_by,
+            "bundles": [{"name": b["name"], "backend": b["backend"], "arch": b["arch"], "kernels": len(b["kernels"]),
+                         "dir": str(opened.bundle_dir(b))} for b in opened.manifest["bundles"]]})
+    return 0
+
+
 def cmd_wheel(a) -> int:
     from . import wheel
 
@@ -422,6 +433,10 @@ def parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("keygen", help="write a new ed25519 key pair for signing packs")
     sp.set_defaults(fn=cmd_keygen, standalone=True)
     sp.add_argument("keyfile", help="the private key file to write (its public key: KEYFILE.pub)")
+    sp = sub.add_parser("extract", help="check a pack, extract it into the cache, print its bundle directories")
+    sp.set_defaults(fn=cmd_extract, standalone=True)
+    sp.add_argument("pack", help="NAME.tdpack")
+    sp.add_argument("--trust", metavar="PUBLIC_KEY", help="the pack must be signed with this ed25519 key (PEM file)")
     sp = sub.add_parser("wheel", help="build a pip-installable wheel carrying a pack")
     sp.set_defaults(fn=cmd_wheel, standalone=True)
     sp.add_argument("pack", help="NAME.tdpack")
