@@ -469,3 +469,64 @@ def test_scons_pack_option_writes_the_pack_beside_the_bundle(tmp_path, cache):
     assert "writing" not in again.stdout  # nothing changed: the pack is up to date
     refused = scons(REPO, *args, "check=1", check=False)
     assert refused.returncode == 2 and "pack=1 packs a bundle" in refused.stdout
+
+
+# -- 5. what a pack carries besides kernels: tuning records and learned models ------------------------------
+
+PROBLEM = td.GemmProblem(64, 256, 512, "fp32", "fp32", "fp32", "rcr")
+
+
+def test_shipped_tuning_records_are_used_and_the_users_own_win(bundles, cache, tmp_path):  # noqa: F811
+    from tiledispatch import tuning
+
+    reg = td.load(bundles["native"])
+    default = reg.select(PROBLEM).name
+    other = next(k.name for k in reg.kernels if k.name != default)
+    key = tuning.problem_key(PROBLEM, [k.name for k in reg.candidates(PROBLEM)])
+    identity = tuning.device_identity("cpu")
+    shipped = tmp_path / "tuning.json"
+    shipped.write_text(json.dumps({"schema": tuning.SCHEMA, "devices": {
+        identity: {key: tuning.record(other, {other: 1.0, default: 2.0})}}}))
+    out = tmp_path / "tuned.tdpack"
+    manifest = pack.create([bundles["native"]], out, tuning_files=[shipped])
+    assert manifest["tuning"] == [{"file": "tuning/tuning.json", "records": 1}]
+    assert td.load(out).select(PROBLEM).name == other  # the pack's record for this CPU
+    own = tuning.TuningCache(tmp_path / "own.json")
+    own.put(identity, key, tuning.record(default, {default: 1.0}))
+    assert td.load(out, tuning_cache=own).select(PROBLEM).name == default  # the user's record first
+    assert json.loads((tmp_path / "own.json").read_text())["devices"][identity][key]["kernel"] == default
+
+
+def test_a_shipped_model_ranks_where_the_runtime_has_none(bundles, cache, tmp_path, monkeypatch):  # noqa: F811
+    from tiledispatch import learned
+
+    monkeypatch.setattr(learned, "_PACK_MODELS", {})
+    learned.model_for.cache_clear()
+    if learned.model_for("cpu", NATIVE, "gemm") is not None:
+        pytest.skip(f"the runtime ships its own cpu/{NATIVE} model")
+    reg = td.load(bundles["native"])
+    by_tile = {k.key.algorithm.tile[0]: k.name for k in reg.kernels}  # tile M 24 and 48
+    analytic_first = reg.select(PROBLEM, ranker="analytic").name
+    prefer = max(by_tile) if by_tile[min(by_tile)] == analytic_first else min(by_tile)  # the one analytic ranks 2nd
+    # one tree: tile_m <= 36 -> predicted slowdown (lower is better) 0 if that is the preferred tile, else 1
+    low, high = (0.0, 1.0) if prefer == min(by_tile) else (1.0, 0.0)
+    model = {"schema": learned.MODEL_SCHEMA, "features": list(learned.GEMM_FEATURES),
+             "applies_to": {"backend": "cpu", "arch": NATIVE, "op": "gemm", "dtypes": ["fp32"], "layouts": ["rcr"]},
+             "trees": {"feature": [learned.GEMM_FEATURES.index("tile_m"), 0, 0], "threshold": [36.0, 1e308, 1e308],
+                       "left": [1, 1, 2], "right": [2, 1, 2], "value": [0.0, low, high], "roots": [0], "depth": 1},
+             "trained": {"machine": "test"}}
+    path = tmp_path / f"cpu_{NATIVE}_gemm.json"
+    path.write_text(json.dumps(model))
+    out = tmp_path / "model.tdpack"
+    manifest = pack.create([bundles["native"]], out, model_files=[path])
+    assert [m["file"] for m in manifest["models"]] == [f"models/cpu_{NATIVE}_gemm.json"]
+    try:
+        packed = td.load(out)
+        assert learned.model_for("cpu", NATIVE, "gemm") is not None
+        assert packed.select(PROBLEM, ranker="learned").name == by_tile[prefer] != analytic_first
+    finally:
+        learned.model_for.cache_clear()
+    with pytest.raises(td.BundleError, match="name it cpu_"):
+        misnamed = tmp_path / "model.json"
+        misnamed.write_text(json.dumps(model))
+        pack.create([bundles["native"]], tmp_path / "x.tdpack", model_files=[misnamed])

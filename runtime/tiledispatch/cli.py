@@ -2,7 +2,7 @@
 one JSON object (standard JSON: a non-finite number prints as null). BUNDLE is a bundle directory, a pack
 (NAME.tdpack) or the name of an installed pack.
 
-python -m tiledispatch pack BUNDLE [BUNDLE ...] -o NAME.tdpack [--sign KEYFILE] [--tuning FILE]
+python -m tiledispatch pack BUNDLE [BUNDLE ...] -o NAME.tdpack [--sign KEYFILE] [--tuning FILE] [--model FILE]
 python -m tiledispatch keygen KEYFILE        (writes KEYFILE, private, and KEYFILE.pub)
 python -m tiledispatch extract NAME.tdpack [--trust PUBLIC_KEY]   (the checked bundle directories, e.g. for C++)
 python -m tiledispatch wheel NAME.tdpack [-o DIR] [--name NAME] [--version X.Y.Z]
@@ -376,7 +376,8 @@ def _op_parsers(sp, command: str) -> None:
 def cmd_pack(a) -> int:
     from . import pack
 
-    manifest = pack.create(a.bundles, a.output, tuning_files=a.tuning or (), sign_key=a.sign)
+    manifest = pack.create(a.bundles, a.output, tuning_files=a.tuning or (), model_files=a.model or (),
+                           sign_key=a.sign)
     _print({"pack": a.output, "signed": a.sign is not None,
             "bundles": [{"name": b["name"], "backend": b["backend"], "arch": b["arch"], "kernels": len(b["kernels"])}
                         for b in manifest["bundles"]],
@@ -430,6 +431,8 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("-o", "--output", required=True, help="the pack file to write (NAME.tdpack)")
     sp.add_argument("--sign", metavar="KEYFILE", help="sign the pack with this ed25519 private key (keygen)")
     sp.add_argument("--tuning", action="append", metavar="FILE", help="a tuning records file to carry (repeatable)")
+    sp.add_argument("--model", action="append", metavar="FILE",
+                    help="a learned model to carry, <backend>_<arch>_<op>.json (repeatable)")
     sp = sub.add_parser("keygen", help="write a new ed25519 key pair for signing packs")
     sp.set_defaults(fn=cmd_keygen, standalone=True)
     sp.add_argument("keyfile", help="the private key file to write (its public key: KEYFILE.pub)")

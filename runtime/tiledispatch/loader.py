@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 from typing import Optional, Union
 
-from . import abi, bundle, pack as pack_mod, registry, tuning
+from . import abi, bundle, learned, pack as pack_mod, registry, tuning
 from .backends import get as get_backend
 from .errors import BundleError
 from .spec import rules
@@ -146,6 +146,35 @@ def installed_pack(name: str) -> Path:
     raise BundleError(f"installed pack {name!r} (package {module}) has no {name}{pack_mod.SUFFIX}: reinstall it")
 
 
+class ShippedTuning:
+    """A tuning cache (the user's) that falls back on the records a pack carries: a problem this device has
+    no record of takes the pack's record for the same device identity, problem and candidate kernels.
+    New records go to the user's cache only; the pack's are never written."""
+
+    def __init__(self, own: tuning.TuningCache, shipped_files: list):
+        self.own = own
+        self.shipped: dict = {}
+        for path in shipped_files:  # each checked as the user's file is: bad parts are reported and dropped
+            for device, records in tuning.TuningCache(path).records().items():
+                for key, rec in records.items():
+                    self.shipped.setdefault(device, {}).setdefault(key, rec)
+
+    def records(self) -> dict:
+        merged = {device: dict(records) for device, records in self.shipped.items()}
+        for device, records in self.own.records().items():
+            merged.setdefault(device, {}).update(records)
+        return merged
+
+    def get(self, device: str, key: str) -> Optional[dict]:
+        return self.own.get(device, key) or self.shipped.get(device, {}).get(key)
+
+    def put(self, device: str, key: str, record: dict) -> None:
+        self.own.put(device, key, record)
+
+    def __getattr__(self, name):  # anything else a TuningCache offers: the user's cache
+        return getattr(self.own, name)
+
+
 def _choose(opened: pack_mod.Pack, backend: Optional[str], arch: Optional[str]) -> tuple[list, list]:
     """(the bundles to load: all of one backend and arch, [(bundle, reason skipped)])."""
     skipped, usable = [], []
@@ -201,8 +230,14 @@ def _registry_of_pack(opened: pack_mod.Pack, backend, arch, autotune, tuning_cac
                 "created": opened.manifest.get("created"), "kernels": [{"name": k.name} for k in kernels],
                 "pack": {"source": str(opened.source), "sha256": opened.digest, "cache": str(opened.root),
                          "bundles": [b["name"] for b in chosen], "signed_by": opened.signed_by}}
+    models = [opened.root / m["file"] for m in opened.manifest.get("models", [])
+              if (m.get("backend"), m.get("arch")) == (first["backend"], first["arch"])]
+    if models:
+        learned.add_pack_models(models)
+    own = tuning_cache or tuning.TuningCache(tuning.default_path())
+    shipped = [opened.root / t["file"] for t in opened.manifest.get("tuning", [])]
     reg = registry.Registry(kernels, first["backend"], first["arch"], manifest, autotune=autotune,
-                            tuning_cache=tuning_cache)
+                            tuning_cache=ShippedTuning(own, shipped) if shipped else own)
     reg.source = opened.source
     reg.skipped = [{"bundle": b["name"], "backend": b["backend"], "arch": b["arch"], "reason": why}
                    for b, why in skipped]

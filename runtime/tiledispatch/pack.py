@@ -38,7 +38,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterable, Optional, Union
 
-from . import abi, bundle, learned
+from . import abi, bundle, learned, tuning as tuning_mod
 from .errors import BundleError
 
 SUFFIX = ".tdpack"
@@ -59,10 +59,13 @@ _NAME = re.compile(_PART)
 
 # -- writing --------------------------------------------------------------------------------------
 def create(bundle_dirs: Iterable[Union[str, Path]], output: Union[str, Path], *,
-           tuning_files: Iterable[Union[str, Path]] = (), sign_key: Union[str, Path, None] = None) -> dict:
+           tuning_files: Iterable[Union[str, Path]] = (), model_files: Iterable[Union[str, Path]] = (),
+           sign_key: Union[str, Path, None] = None) -> dict:
     """Write a pack of the given bundle directories to `output` (atomically) and return its manifest.
     Every bundle is checked as load() checks it (manifest structure, each library's sha256 and embedded
-    key) before anything is written; the learned models for the packed backends / arches are included."""
+    key) before anything is written. The runtime's learned models for the packed backends / arches are
+    included, and model_files (learned models, <backend>_<arch>_<op>.json, as bench/train_ranker.py
+    writes them) instead of the runtime's of the same name; tuning_files: tuning record files to carry."""
     import tiledispatch
 
     output = Path(output)
@@ -93,6 +96,20 @@ def create(bundle_dirs: Iterable[Union[str, Path]], output: Union[str, Path], *,
     if not bundles:
         raise BundleError("nothing to pack: give at least one bundle directory")
     models = []
+    for path in map(Path, model_files):
+        try:
+            applies = json.loads(path.read_text())["applies_to"]
+            backend, arch, op = applies["backend"], applies["arch"], applies["op"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise BundleError(f"--model {path}: not a learned model (JSON with applies_to backend, arch, op): "
+                              f"{e}") from None
+        if path.name != f"{backend}_{arch}_{op}.json" or not _NAME.fullmatch(path.name):
+            raise BundleError(f"--model {path}: the model applies to {backend}/{arch} {op}: name it "
+                              f"{backend}_{arch}_{op}.json")
+        if any(m["file"] == f"models/{path.name}" for m in models):
+            raise BundleError(f"--model {path}: two models for {backend}/{arch} {op}")
+        models.append({"file": f"models/{path.name}", "backend": backend, "arch": arch, "op": op})
+        files.append((f"models/{path.name}", path.parent, path.name))
     for b in bundles:
         for op in sorted({k["key"]["signature"]["op"] for k in b["kernels"]}):
             path = learned.model_path(b["backend"], b["arch"], op)
@@ -103,13 +120,12 @@ def create(bundle_dirs: Iterable[Union[str, Path]], output: Union[str, Path], *,
     tuning = []
     for path in map(Path, tuning_files):
         rel = f"tuning/{path.name}"
-        try:
-            records = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise BundleError(f"--tuning {path}: not a readable JSON file: {e}") from None
         if not _NAME.fullmatch(path.name) or not path.name.endswith(".json") or any(t["file"] == rel for t in tuning):
             raise BundleError(f"--tuning {path}: a tuning file needs a plain, distinct name ending in .json")
-        count = sum(len(v) for v in records.get("records", {}).values()) if isinstance(records, dict) else 0
+        count = sum(len(records) for records in tuning_mod.TuningCache(path).records().values())
+        if not count:
+            raise BundleError(f"--tuning {path}: no tuning records (a missing file, or not a tiledispatch tuning "
+                              f"cache of schema {tuning_mod.SCHEMA})")
         tuning.append({"file": rel, "records": count})
         files.append((rel, path.parent, path.name))
 
