@@ -164,6 +164,11 @@ def test_pack_loads_lazily_and_runs(good_pack, bundles, cache):
     assert (cache / reg.manifest["pack"]["sha256"] / "bundles" / f"cpu_{NATIVE}" / "manifest.json").is_file()
 
 
+def test_lazy_false_opens_every_kernel_of_a_pack(good_pack, cache):
+    reg = td.load(good_pack, lazy=False)
+    assert all(k.opened for k in reg.kernels)
+
+
 def test_a_named_kernel_opens_only_itself(good_pack, cache):
     reg = td.load(good_pack)
     first = reg.kernels[0]
@@ -530,3 +535,17 @@ def test_a_shipped_model_ranks_where_the_runtime_has_none(bundles, cache, tmp_pa
         misnamed = tmp_path / "model.json"
         misnamed.write_text(json.dumps(model))
         pack.create([bundles["native"]], tmp_path / "x.tdpack", model_files=[misnamed])
+
+
+def test_an_archive_that_expands_past_its_manifest_is_stopped(good_pack, cache, tmp_path, monkeypatch):
+    """A gzip bomb in a pax header (which tarfile reads whole into memory) stops at the manifest's budget."""
+    members = members_of(good_pack)
+    bomb = tarfile.TarInfo(members[-1][0].name)
+    bomb.size = len(members[-1][1])
+    bomb.pax_headers = {"comment": "A" * (8 << 20)}  # 8 MiB that compress to a few KiB
+    bad = write_members(tmp_path / "bomb.tdpack", members[:-1] + [(bomb, members[-1][1])])
+    assert bad.stat().st_size < (1 << 20)
+    before = {p for p in tmp_path.rglob("*") if cache not in p.parents and p != cache}
+    with pytest.raises(td.BundleError, match="expands to more than the .* bytes its manifest accounts for"):
+        td.load(bad)
+    nothing_left(tmp_path, cache, before)

@@ -90,8 +90,8 @@ def load(source: Union[str, Path], *, backend: Optional[str] = None, arch: Optio
     before cpu), and this device's own arch before another one it can run; the registry's `summary`
     says what it took and skipped and why, `skipped` lists the rest.
     trust: an ed25519 public key (PEM file, PEM text, raw 32 bytes) the pack must be signed with.
-    lazy: open each kernel library on first use (default for packs; directories default to opening every
-    kernel up front, as before). autotune, tuning_cache: see Registry."""
+    lazy: open each kernel library on first use (the default for packs; lazy=False opens all of them now);
+    directories open every kernel up front, as before, unless lazy=True. autotune, tuning_cache: see Registry."""
     path = Path(source)
     if path.is_dir():
         if trust is not None:
@@ -116,11 +116,12 @@ def load(source: Union[str, Path], *, backend: Optional[str] = None, arch: Optio
             path = installed_pack(text)
         else:
             raise BundleError(f"{source}: no such bundle directory or pack file")
-    if lazy is False:
-        raise BundleError(f"{path}: a pack's kernels are opened lazily (each checked when it is opened); lazy=False "
-                          f"applies to bundle directories")
     opened = pack_mod.open_pack(path, trust=trust)
-    return _registry_of_pack(opened, backend, arch, autotune, tuning_cache)
+    reg = _registry_of_pack(opened, backend, arch, autotune, tuning_cache)
+    if lazy is False:  # every kernel opened (and so checked) now
+        for kern in reg.kernels:
+            kern.library
+    return reg
 
 
 def installed_pack(name: str) -> Path:

@@ -205,8 +205,8 @@ def open_pack(path: Union[str, Path], *, trust=None, cache: Optional[Path] = Non
     signing.public_key) the pack must be signed with; unsigned or otherwise signed packs are refused."""
     path = Path(path)
     root = Path(cache) if cache is not None else cache_root()
-    with _archive(path) as tar:
-        manifest_bytes, manifest = _read_manifest(path, tar)
+    with _archive(path) as (tar, budget):
+        manifest_bytes, manifest = _read_manifest(path, tar, budget)
         digest = hashlib.sha256(manifest_bytes).hexdigest()
         signature, first = _read_signature(path, tar)
         signed_by = None
@@ -221,9 +221,33 @@ def open_pack(path: Union[str, Path], *, trust=None, cache: Optional[Path] = Non
     return Pack(path, manifest, digest, target, True, signed_by)
 
 
+class _Budget:
+    """The decompressed stream tarfile reads, refusing to deliver more bytes than `limit`: a gzip bomb (a
+    small archive that expands to far more than its manifest declares, e.g. inside a pax header, which
+    tarfile reads whole into memory) stops at the limit instead of filling memory or disk."""
+
+    def __init__(self, raw, path: Path, limit: int):
+        self.raw, self.path, self.limit, self.used = raw, path, limit, 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.raw.read(size)
+        self.used += len(data)
+        if self.used > self.limit:
+            raise BundleError(f"{self.path}: the archive expands to more than the {self.limit} bytes its manifest "
+                              f"accounts for (a damaged or hostile archive)")
+        return data
+
+
+def _overhead(files: int) -> int:
+    """Bytes of tar headers and padding an archive of `files` members may hold besides their contents:
+    per member a header, a pax header (long names) and padding, generously; the end-of-archive blocks."""
+    return (files + 2) * (64 << 10)
+
+
 @contextlib.contextmanager
 def _archive(path: Path):
-    """The archive opened as a stream (members strictly in order, nothing seeks back)."""
+    """The archive opened as a stream (members strictly in order, nothing seeks back), with the budget of
+    decompressed bytes first set for the manifest alone (_read_manifest raises it to what the manifest lists)."""
     try:
         f = open(path, "rb")
     except IsADirectoryError:
@@ -231,13 +255,15 @@ def _archive(path: Path):
     except OSError as e:
         raise BundleError(f"{path}: cannot be read: {e.strerror or e}") from None
     try:
+        budget = _Budget(gzip.GzipFile(fileobj=f, mode="rb"), path,
+                         bundle.MAX_MANIFEST_BYTES + MAX_SIGNATURE_BYTES + _overhead(2))
         try:
-            tar = tarfile.open(fileobj=f, mode="r|gz")
+            tar = tarfile.open(fileobj=budget, mode="r|")
         except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as e:
             raise BundleError(f"{path}: not a tiledispatch pack (a gzip-compressed tar archive): {e}") from None
         with tar:
             try:
-                yield tar
+                yield tar, budget
             except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as e:
                 raise BundleError(f"{path}: the archive is damaged or truncated: {e}") from None
             except OSError as e:
@@ -281,7 +307,7 @@ def _read_member(path: Path, tar: tarfile.TarFile, info: tarfile.TarInfo, limit:
     return data
 
 
-def _read_manifest(path: Path, tar: tarfile.TarFile) -> tuple[bytes, dict]:
+def _read_manifest(path: Path, tar: tarfile.TarFile, budget: _Budget) -> tuple[bytes, dict]:
     info = _next_member(path, tar)
     if info is None:
         raise BundleError(f"{path}: an empty archive, not a tiledispatch pack")
@@ -294,6 +320,9 @@ def _read_manifest(path: Path, tar: tarfile.TarFile) -> tuple[bytes, dict]:
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise BundleError(f"{path}: {PACK_MANIFEST}: not valid JSON: {e}") from None
     check_manifest(path, manifest)
+    files = manifest["files"]
+    budget.limit = budget.used + sum(f["size"] for f in files.values()) + MAX_SIGNATURE_BYTES \
+        + _overhead(len(files))
     return data, manifest
 
 
