@@ -549,3 +549,20 @@ def test_an_archive_that_expands_past_its_manifest_is_stopped(good_pack, cache, 
     with pytest.raises(td.BundleError, match="expands to more than the .* bytes its manifest accounts for"):
         td.load(bad)
     nothing_left(tmp_path, cache, before)
+
+
+def test_a_library_changed_while_it_is_packed_is_refused(bundles, tmp_path, monkeypatch):
+    copy = tmp_path / "bundle"
+    shutil.copytree(bundles["native"], copy)
+    checked = bundle.read_kernel
+
+    def read_then_rebuild(bdir, entry):  # a rebuild replaces the file after its check, before it is written
+        data = checked(bdir, entry)
+        with open(Path(bdir) / entry["file"], "ab") as f:
+            f.write(b"\0")
+        return data
+
+    monkeypatch.setattr(bundle, "read_kernel", read_then_rebuild)
+    with pytest.raises(td.BundleError, match="changed while it was packed"):
+        pack.create([copy], tmp_path / "x.tdpack")
+    assert not (tmp_path / "x.tdpack").exists() and not list(tmp_path.glob(".x.tdpack*"))

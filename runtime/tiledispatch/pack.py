@@ -69,7 +69,9 @@ def create(bundle_dirs: Iterable[Union[str, Path]], output: Union[str, Path], *,
     import tiledispatch
 
     output = Path(output)
-    bundles, files = [], []  # files: (archive path, source directory, path relative to it)
+    bundles = []
+    small = {}  # archive path -> bytes: manifests, models, tuning records
+    libraries = {}  # archive path -> (bundle directory, path in it, sha256): read again while writing
     for bdir in map(Path, bundle_dirs):
         manifest = bundle.read_manifest(bdir)
         name = bdir.resolve().name
@@ -79,16 +81,20 @@ def create(bundle_dirs: Iterable[Union[str, Path]], output: Union[str, Path], *,
         if any(b["name"] == name for b in bundles):
             raise BundleError(f"{bdir}: two bundles named {name}: a pack names its bundles by their directory "
                               f"names (rename one, scons bundle=...)")
+        raw = bundle._read_regular(bdir, bundle.MANIFEST, bundle.MAX_MANIFEST_BYTES)
+        if [(e.get("name"), e.get("sha256")) for e in json.loads(raw).get("kernels", [])] != \
+                [(e["name"], e["sha256"]) for e in manifest["kernels"]]:
+            raise BundleError(f"{bdir}: {bundle.MANIFEST} changed while it was packed (a rebuild?); pack again")
+        small[f"bundles/{name}/{bundle.MANIFEST}"] = raw
         kernels = []
         for e in manifest["kernels"]:
             data = bundle.read_kernel(bdir, e)  # the same checks as load: nothing unverified is shipped
             kernels.append({"name": e["name"], "file": f"bundles/{name}/{e['file']}", "sha256": e["sha256"],
                             "size": len(data), "backend": manifest["backend"], "arch": manifest["arch"],
                             "key": e["key"], "origin": e.get("origin", "")})
-            files.append((f"bundles/{name}/{e['file']}", bdir, e["file"]))
+            libraries[kernels[-1]["file"]] = (bdir, e["file"], e["sha256"], len(data))
         if not kernels:
             raise BundleError(f"{bdir}: the bundle has no kernels")
-        files.append((f"bundles/{name}/{bundle.MANIFEST}", bdir, bundle.MANIFEST))
         bundles.append({"name": name, "backend": manifest["backend"], "arch": manifest["arch"],
                         "manifest": f"bundles/{name}/{bundle.MANIFEST}",
                         "kernel_sets": manifest.get("kernel_sets", []), "toolchain": manifest.get("toolchain", {}),
@@ -109,63 +115,68 @@ def create(bundle_dirs: Iterable[Union[str, Path]], output: Union[str, Path], *,
         if any(m["file"] == f"models/{path.name}" for m in models):
             raise BundleError(f"--model {path}: two models for {backend}/{arch} {op}")
         models.append({"file": f"models/{path.name}", "backend": backend, "arch": arch, "op": op})
-        files.append((f"models/{path.name}", path.parent, path.name))
+        small[models[-1]["file"]] = bundle._read_regular(path.parent, path.name, MAX_MEMBER_BYTES)
     for b in bundles:
         for op in sorted({k["key"]["signature"]["op"] for k in b["kernels"]}):
             path = learned.model_path(b["backend"], b["arch"], op)
             rel = f"models/{path.name}"
-            if path.is_file() and not any(m["file"] == rel for m in models):
+            if path.is_file() and rel not in small:
                 models.append({"file": rel, "backend": b["backend"], "arch": b["arch"], "op": op})
-                files.append((rel, path.parent, path.name))
+                small[rel] = bundle._read_regular(path.parent, path.name, MAX_MEMBER_BYTES)
     tuning = []
     for path in map(Path, tuning_files):
         rel = f"tuning/{path.name}"
-        if not _NAME.fullmatch(path.name) or not path.name.endswith(".json") or any(t["file"] == rel for t in tuning):
+        if not _NAME.fullmatch(path.name) or not path.name.endswith(".json") or rel in small:
             raise BundleError(f"--tuning {path}: a tuning file needs a plain, distinct name ending in .json")
         count = sum(len(records) for records in tuning_mod.TuningCache(path).records().values())
         if not count:
             raise BundleError(f"--tuning {path}: no tuning records (a missing file, or not a tiledispatch tuning "
                               f"cache of schema {tuning_mod.SCHEMA})")
         tuning.append({"file": rel, "records": count})
-        files.append((rel, path.parent, path.name))
+        small[rel] = bundle._read_regular(path.parent, path.name, MAX_MEMBER_BYTES)
 
-    contents = {}
-    for rel, src_dir, src_rel in files:
-        data = bundle._read_regular(src_dir, src_rel, MAX_MEMBER_BYTES)
-        contents[rel] = data
-    for b in bundles:  # the bytes packed are the bytes checked (a rebuild may run meanwhile)
-        for k in b["kernels"]:
-            if hashlib.sha256(contents[k["file"]]).hexdigest() != k["sha256"]:
-                raise BundleError(f"{k['file']} changed while it was packed; pack again")
+    files = {rel: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()} for rel, data in small.items()}
+    files.update({rel: {"size": size, "sha256": digest} for rel, (_, _, digest, size) in libraries.items()})
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "abi_version": abi.ABI_VERSION,
         "generator": {"name": "tiledispatch", "version": tiledispatch.__version__},
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "bundles": bundles, "models": models, "tuning": tuning,
-        "files": {rel: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-                  for rel, data in sorted(contents.items())},
+        "bundles": bundles, "models": models, "tuning": tuning, "files": dict(sorted(files.items())),
     }
     manifest_bytes = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
-    members = [(PACK_MANIFEST, manifest_bytes)]
+    members = [(PACK_MANIFEST, lambda: manifest_bytes)]
     if sign_key is not None:
         from . import signing
 
-        members.append((SIGNATURE, signing.sign(manifest_bytes, sign_key)))
-    members += sorted(contents.items())
+        signature = signing.sign(manifest_bytes, sign_key)
+        members.append((SIGNATURE, lambda: signature))
+
+    def library(rel: str):
+        def read() -> bytes:  # the bytes packed are the bytes checked (a rebuild may run meanwhile)
+            bdir, file, digest, _ = libraries[rel]
+            data = bundle._read_regular(bdir, file, MAX_MEMBER_BYTES)
+            if hashlib.sha256(data).hexdigest() != digest:
+                raise BundleError(f"{bdir / file} changed while it was packed (a rebuild?); pack again")
+            return data
+        return read
+
+    for rel in sorted(files):
+        members.append((rel, library(rel) if rel in libraries else (lambda data=small[rel]: data)))
     _write_archive(output, members)
     return manifest
 
 
 def _write_archive(output: Path, members: list) -> None:
-    """A gzip-compressed ustar/pax archive of (name, bytes) regular files, written to a temporary file
-    beside output and renamed over it. Owners, modes and times are fixed: the archive's bytes depend on
-    the contents only."""
+    """A gzip-compressed ustar/pax archive of regular files, (name, a function returning the bytes) each,
+    called one at a time (one library in memory at once), written to a temporary file beside output and
+    renamed over it. Owners, modes and times are fixed: the archive's bytes depend on the contents only."""
     output.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.")
     try:
         with os.fdopen(fd, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, compresslevel=6) as gz, \
                 tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
-            for name, data in members:
+            for name, read in members:
+                data = read()
                 info = tarfile.TarInfo(name)
                 info.size, info.mode, info.mtime = len(data), 0o644, 0
                 tar.addfile(info, io.BytesIO(data))
