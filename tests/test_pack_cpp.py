@@ -34,8 +34,9 @@ def example(tmp_path_factory) -> Path:
     return out
 
 
-def run_example(example: Path, bundle_dir: Path, out: Path, m=45, n=38, k=27, kernel=None):
-    args = [str(example), str(bundle_dir), str(m), str(n), str(k), str(out)] + ([kernel] if kernel else [])
+def run_example(example: Path, bundle_dir: Path, out: Path, m=45, n=38, k=27, kernel=None, trust=None):
+    args = [str(example)] + (["--trust", str(trust)] if trust else []) + [str(bundle_dir), str(m), str(n), str(k),
+                                                                          str(out)] + ([kernel] if kernel else [])
     return subprocess.run(args, capture_output=True, text=True)
 
 
@@ -66,15 +67,48 @@ def test_cpp_loads_selects_and_runs_like_python(example, bundles, tmp_path):  # 
     check_against_python(bundles["native"], tmp_path / "named.bin", json.loads(named.stdout))
 
 
-def test_cpp_runs_a_bundle_of_an_extracted_pack(example, bundles, tmp_path):  # noqa: F811
+def extract(tmp_path: Path, packed: Path) -> dict:
     env = {"TD_PACK_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(REPO / "runtime")}
-    pack.create([bundles["native"]], tmp_path / "p.tdpack")
-    code, extracted = cli("extract", tmp_path / "p.tdpack", env=env)
+    code, extracted = cli("extract", packed, env=env)
     assert code == 0, extracted
+    return extracted
+
+
+def test_cpp_runs_a_bundle_of_an_extracted_pack(example, bundles, tmp_path):  # noqa: F811
+    pack.create([bundles["native"], bundles["sm90a"]], tmp_path / "p.tdpack")
+    extracted = extract(tmp_path, tmp_path / "p.tdpack")
     bundle_dir = Path(extracted["bundles"][0]["dir"])
-    proc = run_example(example, bundle_dir, tmp_path / "out.bin")
+    proc = run_example(example, bundle_dir, tmp_path / "out.bin")  # a bundle directory of the pack
     assert proc.returncode == 0, proc.stderr
     check_against_python(bundle_dir, tmp_path / "out.bin", json.loads(proc.stdout))
+    proc = run_example(example, Path(extracted["cache"]), tmp_path / "pack.bin")  # the pack: its cpu bundle
+    assert proc.returncode == 0, proc.stderr
+    check_against_python(bundle_dir, tmp_path / "pack.bin", json.loads(proc.stdout))
+    manifest = bundle_dir / "manifest.json"  # changed after extraction: refused through the pack's digest
+    os.chmod(manifest, 0o644)
+    manifest.write_text(manifest.read_text().replace('"created"', '"created" ', 1))
+    proc = run_example(example, Path(extracted["cache"]), tmp_path / "pack.bin")
+    assert proc.returncode == 1 and "changed after extraction" in proc.stderr, proc.stderr
+
+
+def test_cpp_checks_a_packs_signature(example, bundles, tmp_path):  # noqa: F811
+    pytest.importorskip("cryptography")
+    from tiledispatch import signing
+
+    private, public, _ = signing.keygen(tmp_path / "key")
+    _, other, _ = signing.keygen(tmp_path / "other")
+    pack.create([bundles["native"]], tmp_path / "signed.tdpack", sign_key=private)
+    # another manifest (the same one, signed or not, is the same cache entry, with the signature it was given)
+    pack.create([bundles["native"], bundles["sm80"]], tmp_path / "unsigned.tdpack")
+    signed = Path(extract(tmp_path, tmp_path / "signed.tdpack")["cache"])
+    unsigned = Path(extract(tmp_path, tmp_path / "unsigned.tdpack")["cache"])
+    proc = run_example(example, signed, tmp_path / "out.bin", trust=public)
+    assert proc.returncode == 0, proc.stderr
+    check_against_python(bundles["native"], tmp_path / "out.bin", json.loads(proc.stdout))
+    proc = run_example(example, signed, tmp_path / "out.bin", trust=other)
+    assert proc.returncode == 1 and "not a valid signature of tdpack.json by the trusted key" in proc.stderr
+    proc = run_example(example, unsigned, tmp_path / "out.bin", trust=public)
+    assert proc.returncode == 1 and "the pack is not signed" in proc.stderr, proc.stderr
 
 
 @pytest.fixture

@@ -86,6 +86,16 @@ def test_signature_is_checked_when_the_pack_is_already_cached(signed, keys, cach
         td.load(stripped, trust=keys["public"])  # same manifest, same cache entry: still refused
 
 
+def test_a_verified_signature_is_kept_with_a_cache_entry_extracted_unsigned(signed, keys, cache, tmp_path):  # noqa: F811
+    stripped = write_members(tmp_path / "stripped.tdpack", [m for m in members_of(signed)
+                                                            if m[0].name != pack.SIGNATURE])
+    entry = pack.open_pack(stripped).root
+    assert not (entry / pack.SIGNATURE).exists()
+    again = pack.open_pack(signed, trust=keys["public"])
+    assert again.root == entry and not again.extracted
+    assert (entry / pack.SIGNATURE).read_bytes() == members_of(signed)[1][1]
+
+
 def test_malformed_signature_and_bad_keys(signed, keys, cache, tmp_path):  # noqa: F811
     members = [(i, b"{not json" if i.name == pack.SIGNATURE else d) for i, d in members_of(signed)]
     for info, data in members:

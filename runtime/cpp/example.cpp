@@ -1,6 +1,7 @@
-// tiledispatch_example BUNDLE M N K OUT [KERNEL]: load a bundle (a directory, or a bundle of an extracted
-// pack), list its kernels, run an fp32 GEMM D = A @ B on host memory (cpu backend) with the named kernel or
-// the first that fits, and write A, B and D (float32, in that order) to OUT. Prints one JSON line.
+// tiledispatch_example [--trust KEY.pub] SOURCE M N K OUT [KERNEL]: load a bundle directory, or the cpu bundle
+// of an extracted pack (a directory holding tdpack.json; with --trust its signature is checked), run an fp32
+// GEMM D = A @ B on host memory with the named kernel or the first that fits, and write A, B and D (float32,
+// in that order) to OUT. Prints one JSON line.
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -10,12 +11,21 @@
 #include "tiledispatch_loader.h"
 
 int main(int argc, char** argv) {
+  std::string trust;
+  if (argc > 2 && std::string(argv[1]) == "--trust") {
+    trust = argv[2];
+    argc -= 2;
+    argv += 2;
+  }
   if (argc < 6 || argc > 7) {
-    std::fprintf(stderr, "usage: %s BUNDLE M N K OUT [KERNEL]\n", argv[0]);
+    std::fprintf(stderr, "usage: tiledispatch_example [--trust KEY.pub] SOURCE M N K OUT [KERNEL]\n");
     return 2;
   }
   try {
-    const tiledispatch::Bundle bundle = tiledispatch::Bundle::open(argv[1]);
+    const bool is_pack = std::ifstream(std::string(argv[1]) + "/tdpack.json").good();
+    if (!trust.empty() && !is_pack) throw tiledispatch::Error("--trust needs an extracted pack");
+    const tiledispatch::Bundle bundle = is_pack ? tiledispatch::Pack::open(argv[1], trust).bundle_for("cpu")
+                                                : tiledispatch::Bundle::open(argv[1]);
     const int64_t m = std::atoll(argv[2]), n = std::atoll(argv[3]), k = std::atoll(argv[4]);
     std::string layout;
     for (const auto& kern : bundle.kernels())  // the layout of the bundle's fp32 GEMMs

@@ -6,6 +6,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <openssl/evp.h>
+#include <openssl/pem.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -438,11 +439,14 @@ void Kernel::run(const td_args& args) {
 }
 
 // ---- Bundle ---------------------------------------------------------------------------------------------
-Bundle Bundle::open(const std::string& dir_in) {
+Bundle Bundle::open(const std::string& dir_in, const std::string& expected_manifest_sha256) {
   std::string dir = dir_in;
   while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
   const std::string where = dir + "/manifest.json";
-  const Json m = Parser(read_confined(dir, "manifest.json", kMaxManifestBytes), where).parse();
+  const std::string text = read_confined(dir, "manifest.json", kMaxManifestBytes);
+  if (!expected_manifest_sha256.empty() && sha256_hex(text.data(), text.size()) != expected_manifest_sha256)
+    throw Error(where + ": its sha256 is not the one the pack manifest lists: changed after extraction");
+  const Json m = Parser(text, where).parse();
   if (m.type != Json::Object) throw Error(where + ": expected a JSON object");
   const Json* schema = m.get("schema");
   if (!schema || schema->type != Json::Number || schema->text != std::to_string(kManifestSchema))
@@ -509,6 +513,127 @@ Kernel* Bundle::first_fit(const td_args& args, const std::string& op, const std:
   }
   if (why) *why = reasons.empty() ? "no kernel of op " + op + " in the bundle" : reasons;
   return nullptr;
+}
+
+// ---- Pack (extracted) ----------------------------------------------------------------------------------
+namespace {
+
+constexpr int kPackFormatVersion = 1;  // as pack.FORMAT_VERSION
+
+std::string from_hex(const std::string& hex, const std::string& what) {
+  if (hex.size() % 2) throw Error(what + ": not hex");
+  std::string out;
+  for (size_t i = 0; i < hex.size(); i += 2) {
+    int byte = 0;
+    for (int j = 0; j < 2; ++j) {
+      const char c = hex[i + j];
+      const int v = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+      if (v < 0) throw Error(what + ": not hex");
+      byte = byte * 16 + v;
+    }
+    out += static_cast<char>(byte);
+  }
+  return out;
+}
+
+// tdpack.sig ({"algorithm": "ed25519", "key_id": ..., "signature": hex}) over the manifest's bytes, by the
+// key in the PEM file; throws Error saying what is wrong.
+void verify_signature(const std::string& dir, const std::string& manifest, const std::string& key_file) {
+  const std::string what = dir + "/tdpack.sig";
+  std::string sig_text;
+  try {
+    sig_text = read_confined(dir, "tdpack.sig", 4096);
+  } catch (const Error&) {
+    throw Error(dir + ": the pack is not signed, and a trusted key was given");
+  }
+  const Json sig = Parser(sig_text, what).parse();
+  if (sig.type != Json::Object || string_field(sig, "algorithm", what) != "ed25519")
+    throw Error(what + ": the signature member is malformed (expected ed25519 JSON)");
+  const std::string raw = from_hex(string_field(sig, "signature", what), what);
+  FILE* f = std::fopen(key_file.c_str(), "rb");
+  if (!f) throw Error("trusted key " + key_file + ": cannot be read: " + std::strerror(errno));
+  EVP_PKEY* key = PEM_read_PUBKEY(f, nullptr, nullptr, nullptr);
+  std::fclose(f);
+  if (!key || EVP_PKEY_id(key) != EVP_PKEY_ED25519) {
+    EVP_PKEY_free(key);
+    throw Error("trusted key " + key_file + ": not an ed25519 public key (PEM)");
+  }
+  EVP_MD_CTX* ctx = EVP_MD_CTX_new();
+  const bool ok = ctx && EVP_DigestVerifyInit(ctx, nullptr, nullptr, nullptr, key) == 1 &&
+                  EVP_DigestVerify(ctx, reinterpret_cast<const unsigned char*>(raw.data()), raw.size(),
+                                   reinterpret_cast<const unsigned char*>(manifest.data()), manifest.size()) == 1;
+  EVP_MD_CTX_free(ctx);
+  EVP_PKEY_free(key);
+  if (!ok) {
+    const Json* signer = sig.get("key_id");
+    throw Error(what + ": not a valid signature of tdpack.json by the trusted key (signed by key " +
+                (signer && signer->type == Json::String ? signer->text.substr(0, 64) : std::string("?")) +
+                ", or the manifest changed after signing)");
+  }
+}
+
+}  // namespace
+
+Pack Pack::open(const std::string& dir_in, const std::string& trusted_public_key) {
+  std::string dir = dir_in;
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  const std::string where = dir + "/tdpack.json";
+  const std::string text = read_confined(dir, "tdpack.json", kMaxManifestBytes);
+  if (!trusted_public_key.empty()) verify_signature(dir, text, trusted_public_key);
+  const Json m = Parser(text, where).parse();
+  if (m.type != Json::Object) throw Error(where + ": expected a JSON object");
+  if (string_field(m, "format", where) != "tiledispatch-pack") throw Error(where + ": not a tiledispatch pack");
+  const Json* version = m.get("format_version");
+  if (!version || version->text != std::to_string(kPackFormatVersion))
+    throw Error(where + ": pack format version " + (version ? version->text : "missing") + "; this loader reads " +
+                std::to_string(kPackFormatVersion));
+  const Json* abi = m.get("abi_version");
+  if (!abi || abi->text != std::to_string(TD_ABI_VERSION))
+    throw Error(where + ": its kernels use ABI version " + (abi ? abi->text : "missing") + ", this loader " +
+                std::to_string(TD_ABI_VERSION));
+  const Json& files = object_field(m, "files", where);
+  const Json* bundles = m.get("bundles");
+  if (!bundles || bundles->type != Json::Array || bundles->items.empty())
+    throw Error(where + ": 'bundles' must be a non-empty list");
+  Pack p;
+  p.dir_ = dir;
+  for (size_t i = 0; i < bundles->items.size(); ++i) {
+    const Json& b = bundles->items[i];
+    const std::string at = where + ": bundles[" + std::to_string(i) + "]";
+    if (b.type != Json::Object) throw Error(at + ": expected an object");
+    PackBundle info;
+    info.name = string_field(b, "name", at);
+    info.backend = string_field(b, "backend", at);
+    info.arch = string_field(b, "arch", at);
+    if (!plain_name(info.name)) throw Error(at + ": '" + info.name.substr(0, 80) + "' is not a plain name");
+    const std::string manifest = "bundles/" + info.name + "/manifest.json";
+    const Json* listed = files.get(manifest);
+    if (!listed || listed->type != Json::Object) throw Error(at + ": " + manifest + " is not listed in 'files'");
+    const Json* kernels = b.get("kernels");
+    info.kernels = kernels && kernels->type == Json::Array ? kernels->items.size() : 0;
+    info.dir = dir + "/bundles/" + info.name;
+    p.manifest_sha256_.push_back(string_field(*listed, "sha256", at + " (files)"));
+    p.bundles_.push_back(std::move(info));
+  }
+  return p;
+}
+
+Bundle Pack::bundle(const std::string& name) const {
+  for (size_t i = 0; i < bundles_.size(); ++i) {
+    if (bundles_[i].name != name) continue;
+    Bundle b = Bundle::open(bundles_[i].dir, manifest_sha256_[i]);
+    if (b.backend() != bundles_[i].backend || b.arch() != bundles_[i].arch)
+      throw Error(bundles_[i].dir + ": the bundle is for " + b.backend() + "/" + b.arch() + ", the pack says " +
+                  bundles_[i].backend + "/" + bundles_[i].arch);
+    return b;
+  }
+  throw Error(dir_ + ": the pack has no bundle named " + name);
+}
+
+Bundle Pack::bundle_for(const std::string& backend, const std::string& arch) const {
+  for (const auto& b : bundles_)
+    if (b.backend == backend && (arch.empty() || b.arch == arch)) return bundle(b.name);
+  throw Error(dir_ + ": the pack has no " + backend + (arch.empty() ? "" : "/" + arch) + " bundle");
 }
 
 // ---- argument helpers -----------------------------------------------------------------------------------

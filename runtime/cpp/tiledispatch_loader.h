@@ -6,6 +6,9 @@
 //   tiledispatch::Kernel* kernel = bundle.first_fit(args, "gemm");   // nullptr: none fits (see `why`)
 //   kernel->run(args);                                                 // throws tiledispatch::Error
 //
+//   tiledispatch::Pack pack = tiledispatch::Pack::open(extracted_dir, "signing.pub");  // an extracted pack
+//   tiledispatch::Bundle cpu = pack.bundle_for("cpu");
+//
 // Checks, as the Python runtime makes them (README, "Trust model"): the manifest's structure (schema, each
 // kernel's file is kernels/<name>.so, sha256 is 64 hex digits, backend / arch are the bundle's, no name
 // twice); when a kernel is first opened (Bundle::open opens none): its file read once without following
@@ -77,8 +80,9 @@ class Kernel {
 
 class Bundle {
  public:
-  // Reads and checks manifest.json; opens no kernel library.
-  static Bundle open(const std::string& dir);
+  // Reads and checks manifest.json; opens no kernel library. expected_manifest_sha256: when not empty, the
+  // manifest's bytes must have this sha256 (Pack::bundle passes the pack manifest's).
+  static Bundle open(const std::string& dir, const std::string& expected_manifest_sha256 = "");
 
   const std::string& dir() const { return dir_; }
   const std::string& backend() const { return backend_; }
@@ -95,6 +99,36 @@ class Bundle {
  private:
   std::string dir_, backend_, arch_;
   std::vector<std::unique_ptr<Kernel>> kernels_;
+};
+
+// One bundle of a pack.
+struct PackBundle {
+  std::string name, backend, arch;
+  std::string dir;      // the bundle directory inside the extracted pack
+  size_t kernels = 0;
+};
+
+// An extracted pack: the directory `python -m tiledispatch extract NAME.tdpack` prints as "cache" (it holds
+// tdpack.json and bundles/). Extraction, with its checks of every archive member, is the Python runtime's;
+// this reads the result and checks the chain of digests from the pack manifest down: tdpack.json (and, with
+// a trusted key, its ed25519 signature tdpack.sig) -> each bundle's manifest.json (its sha256 in tdpack.json)
+// -> each kernel library (its sha256, checked when it is opened).
+class Pack {
+ public:
+  // trusted_public_key: a PEM file of the ed25519 key the pack must be signed with ("" = no signature check).
+  static Pack open(const std::string& extracted_dir, const std::string& trusted_public_key = "");
+
+  const std::string& dir() const { return dir_; }
+  const std::vector<PackBundle>& bundles() const { return bundles_; }
+  // The bundle of that name, its manifest.json checked against tdpack.json; throws Error.
+  Bundle bundle(const std::string& name) const;
+  // The first bundle for backend (and arch, "" = any), as bundle() opens it; throws Error when there is none.
+  Bundle bundle_for(const std::string& backend, const std::string& arch = "") const;
+
+ private:
+  std::string dir_;
+  std::vector<PackBundle> bundles_;
+  std::vector<std::string> manifest_sha256_;  // of each bundle's manifest.json, as tdpack.json lists it
 };
 
 // A tensor slot: shape and strides in elements, outermost first.

@@ -227,6 +227,8 @@ def open_pack(path: Union[str, Path], *, trust=None, cache: Optional[Path] = Non
             signed_by = signing.verify(manifest_bytes, signature, trust, what=str(path))
         target = root / digest
         if (target / COMPLETE).is_file():
+            if signed_by is not None:
+                _keep_signature(target, signature)
             return Pack(path, manifest, digest, target, False, signed_by)
         _extract(path, tar, first, manifest, manifest_bytes, signature, root, target)
     return Pack(path, manifest, digest, target, True, signed_by)
@@ -253,6 +255,22 @@ def _overhead(files: int) -> int:
     """Bytes of tar headers and padding an archive of `files` members may hold besides their contents:
     per member a header, a pax header (long names) and padding, generously; the end-of-archive blocks."""
     return (files + 2) * (64 << 10)
+
+
+def _keep_signature(target: Path, signature: bytes) -> None:
+    """A cache entry extracted from an unsigned copy of this pack gets the verified signature (the C++
+    loader checks it there); written atomically, never through a link."""
+    current = target / SIGNATURE
+    try:
+        if current.is_file() and not current.is_symlink() and current.read_bytes() == signature:
+            return
+        fd, tmp = tempfile.mkstemp(dir=target, prefix=".sig.")
+        with os.fdopen(fd, "wb") as f:
+            f.write(signature)
+        os.chmod(tmp, 0o444)
+        os.replace(tmp, current)
+    except OSError:  # a read-only cache: the Python runtime checked the signature anyway
+        pass
 
 
 @contextlib.contextmanager
