@@ -246,6 +246,7 @@ def test_directory_loads_as_before_or_lazily(bundles):
     lazy = td.load(bundles["native"], lazy=True)
     assert not any(k.opened for k in lazy.kernels)
     check_gemm(lazy)
+    assert eager.summary == lazy.summary == f"{bundles['native']}: using cpu/{NATIVE} (2 kernels)"
     with pytest.raises(td.BundleError, match="trust= checks a pack's signature"):
         td.load(bundles["native"], trust=b"0" * 32)
 
@@ -452,6 +453,9 @@ def test_cli_pack_list_and_errors(bundles, tmp_path):
     assert "models/cutlass_sm90a_gemm.json" in report["models"]
     code, listing = cli("list", out, env=env)
     assert code == 0 and listing["backend"] == "cpu" and len(listing["kernels"]) == 2
+    code, info = cli("info", out, env=env)
+    assert code == 0 and info["pack"]["bundles"] == [f"cpu_{NATIVE}"], info
+    assert [(s["bundle"], "no NVIDIA GPU" in s["reason"]) for s in info["skipped"]] == [("cutlass_sm90a", True)]
     code, ran = cli("run", out, "gemm", "--m", 40, "--n", 30, "--k", 20, "--validate", env=env)
     assert code == 0 and ran["status"] == "success" and ran["validation"]["passed"], ran
     code, err = cli("pack", tmp_path / "nowhere", "-o", tmp_path / "x.tdpack", env=env)

@@ -262,7 +262,8 @@ def cmd_info(reg, a) -> int:
         m = reg.manifest
         _print({"backend": m["backend"], "arch": m["arch"], "kernel_sets": m.get("kernel_sets"),
                 "toolchain": m.get("toolchain"), "created": m.get("created"), "kernels": len(m["kernels"]),
-                "selection_models": learned.describe(m["backend"], m["arch"])})
+                "selection_models": learned.describe(m["backend"], m["arch"]),
+                **({"pack": m["pack"], "skipped": reg.skipped} if "pack" in m else {})})
     return 0
 
 

@@ -99,16 +99,17 @@ def load(source: Union[str, Path], *, backend: Optional[str] = None, arch: Optio
                               f"(pack it with `python -m tiledispatch pack --sign`)")
         if backend or arch:
             raise BundleError(f"{path}: backend= and arch= choose among a pack's bundles; a directory is one bundle")
-        if not lazy:
-            return registry.load(path, autotune=autotune, tuning_cache=tuning_cache)
-        manifest = bundle.read_manifest(path)
-        kernels = [LazyKernel(e["_key"], path, e["sha256"], e.get("origin", "")) for e in manifest["kernels"]]
-        if not kernels:
-            raise BundleError(f"{path}: the bundle has no kernels")
-        reg = registry.Registry(kernels, manifest["backend"], manifest["arch"], manifest, autotune=autotune,
-                                tuning_cache=tuning_cache)
-        reg.source, reg.skipped, reg.summary = path, [], f"{path}: {manifest['backend']}/{manifest['arch']}, " \
-                                                         f"{len(kernels)} kernels"
+        if lazy:
+            manifest = bundle.read_manifest(path)
+            kernels = [LazyKernel(e["_key"], path, e["sha256"], e.get("origin", "")) for e in manifest["kernels"]]
+            if not kernels:
+                raise BundleError(f"{path}: the bundle has no kernels")
+            reg = registry.Registry(kernels, manifest["backend"], manifest["arch"], manifest, autotune=autotune,
+                                    tuning_cache=tuning_cache)
+        else:
+            reg = registry.load(path, autotune=autotune, tuning_cache=tuning_cache)
+        reg.source, reg.skipped = path, []
+        reg.summary = f"{path}: using {reg.backend}/{reg.arch} ({len(reg)} kernels)"
         return reg
     if not path.exists():
         text = os.fspath(source)
