@@ -129,6 +129,22 @@ def test_cpp_refuses_a_changed_library(example, bundle_copy, tmp_path):
     assert proc.returncode == 1 and "was changed after the build" in proc.stderr
 
 
+@pytest.mark.parametrize("keep", [100, 5000, -64])
+def test_cpp_refuses_a_truncated_library_before_loading_it(example, bundle_copy, tmp_path, keep):
+    """A truncated file whose sha256 was edited into the manifest: the ELF checks refuse it, as Python's do."""
+    path = bundle_copy / "manifest.json"
+    manifest = json.loads(path.read_text())
+    entry = manifest["kernels"][0]
+    lib = bundle_copy / entry["file"]
+    lib.write_bytes(lib.read_bytes()[:keep])
+    entry["sha256"] = hashlib.sha256(lib.read_bytes()).hexdigest()
+    path.write_text(json.dumps(manifest))
+    proc = run_example(example, bundle_copy, tmp_path / "out.bin", kernel=entry["name"])
+    assert proc.returncode == 1 and "not a loadable kernel library" in proc.stderr, proc.stderr
+    with pytest.raises(td.BundleError, match="not a loadable kernel library"):
+        td.load(bundle_copy)
+
+
 def test_cpp_refuses_another_kernels_library(example, bundle_copy, tmp_path):
     path = bundle_copy / "manifest.json"
     manifest = json.loads(path.read_text())

@@ -86,7 +86,7 @@ def test_signature_is_checked_when_the_pack_is_already_cached(signed, keys, cach
         td.load(stripped, trust=keys["public"])  # same manifest, same cache entry: still refused
 
 
-def test_a_verified_signature_is_kept_with_a_cache_entry_extracted_unsigned(signed, keys, cache, tmp_path):  # noqa: F811
+def test_a_verified_signature_joins_an_entry_extracted_unsigned(signed, keys, cache, tmp_path):  # noqa: F811
     stripped = write_members(tmp_path / "stripped.tdpack", [m for m in members_of(signed)
                                                             if m[0].name != pack.SIGNATURE])
     entry = pack.open_pack(stripped).root

@@ -57,8 +57,8 @@ int main(int argc, char** argv) {
     int opened = 0;
     for (const auto& kern : bundle.kernels()) opened += kern->opened();
     std::printf("{\"backend\": \"%s\", \"arch\": \"%s\", \"kernels\": %zu, \"opened\": %d, \"layout\": \"%s\", "
-                "\"kernel\": \"%s\"}\n", bundle.backend().c_str(), bundle.arch().c_str(), bundle.kernels().size(), opened,
-                layout.c_str(), kernel->name().c_str());
+                "\"kernel\": \"%s\"}\n", bundle.backend().c_str(), bundle.arch().c_str(), bundle.kernels().size(),
+                opened, layout.c_str(), kernel->name().c_str());
     return out ? 0 : 1;
   } catch (const tiledispatch::Error& e) {
     std::fprintf(stderr, "tiledispatch: error: %s\n", e.what());

@@ -129,8 +129,14 @@ class Parser {
         case 't': out += '\t'; break;
         case 'u': {
           if (i_ + 4 > s_.size()) fail("short \\u escape");
-          const unsigned code = std::stoul(s_.substr(i_, 4), nullptr, 16);
-          i_ += 4;
+          unsigned code = 0;
+          for (int j = 0; j < 4; ++j) {
+            const char h = s_[i_++];
+            const int v = h >= '0' && h <= '9' ? h - '0' : h >= 'a' && h <= 'f' ? h - 'a' + 10
+                          : h >= 'A' && h <= 'F' ? h - 'A' + 10 : -1;
+            if (v < 0) fail("bad \\u escape");
+            code = code * 16 + static_cast<unsigned>(v);
+          }
           if (code >= 0x80) fail("non-ASCII \\u escape (a kernel manifest is ASCII)");
           out += static_cast<char>(code);
           break;
@@ -257,7 +263,8 @@ std::string read_confined(const std::string& dir, const std::string& rel, uint64
   if (::fstat(parent.fd, &st) != 0) throw Error(where + ": cannot be read: " + std::strerror(errno));
   if (!S_ISREG(st.st_mode)) throw Error(where + " is not a regular file");
   if (static_cast<uint64_t>(st.st_size) > limit)
-    throw Error(where + " is " + std::to_string(st.st_size) + " bytes, larger than the limit of " + std::to_string(limit));
+    throw Error(where + " is " + std::to_string(st.st_size) + " bytes, larger than the limit of " +
+                std::to_string(limit));
   std::string data(static_cast<size_t>(st.st_size), '\0');
   size_t got = 0;
   while (got < data.size()) {
@@ -472,8 +479,8 @@ Bundle Bundle::open(const std::string& dir_in, const std::string& expected_manif
     if (info.file != "kernels/" + info.name + ".so")
       throw Error(at + ": file '" + info.file.substr(0, 200) + "': the file must be kernels/" + info.name +
                   ".so, the path its name derives");
-    if (info.sha256.size() != 64 ||
-        !std::all_of(info.sha256.begin(), info.sha256.end(), [](char c) { return std::isdigit(c) || (c >= 'a' && c <= 'f'); }))
+    const auto lower_hex = [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); };
+    if (info.sha256.size() != 64 || !std::all_of(info.sha256.begin(), info.sha256.end(), lower_hex))
       throw Error(at + ": sha256 is not 64 lower-case hex digits");
     const Json& key = object_field(e, "key", at);
     canonical(key, info.key_json);
@@ -488,7 +495,14 @@ Bundle Bundle::open(const std::string& dir_in, const std::string& expected_manif
     info.dtype_c = string_field(sig, "dtype_c", at + ".key.signature");
     if (const Json* epi = sig.get("epilogue")) {
       if (const Json* bias = epi->get("bias")) info.bias = bias->type == Json::Bool && bias->boolean;
-      if (const Json* res = epi->get("residuals")) info.residuals = res->type == Json::Number ? std::stoi(res->text) : 0;
+      if (const Json* res = epi->get("residuals")) {
+        const char* text = res->text.c_str();
+        char* end = nullptr;
+        const long count = std::strtol(text, &end, 10);
+        if (res->type != Json::Number || *end || count < 0 || count > TD_MAX_TENSORS - 5)
+          throw Error(at + ": key.signature.epilogue.residuals must be 0 to " + std::to_string(TD_MAX_TENSORS - 5));
+        info.residuals = static_cast<int>(count);
+      }
     }
     b.kernels_.push_back(std::make_unique<Kernel>(dir, std::move(info)));
   }

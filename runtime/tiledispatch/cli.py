@@ -420,7 +420,8 @@ def parser() -> argparse.ArgumentParser:
                                    ("run", cmd_run, True), ("bench", cmd_bench, True)):
         sp = sub.add_parser(name)
         sp.set_defaults(fn=fn)
-        sp.add_argument("bundle", help="bundle directory (holds manifest.json), NAME.tdpack or an installed pack's name")
+        sp.add_argument("bundle",
+                        help="bundle directory (holds manifest.json), NAME.tdpack or an installed pack's name")
         sp.add_argument("--trust", metavar="PUBLIC_KEY", help="a pack must be signed with this ed25519 key (PEM file)")
         if name == "info":
             sp.add_argument("--kernel", help="show one kernel's key")

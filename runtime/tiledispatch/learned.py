@@ -123,9 +123,11 @@ def model_path(backend: str, arch: str, op: str) -> Path:
 def add_pack_models(paths) -> None:
     """Use these model files (named <backend>_<arch>_<op>.json) for backends / arches / ops the runtime ships
     no model for; the first pack loaded that carries one wins."""
-    for path in map(Path, paths):
-        _PACK_MODELS.setdefault(path.name, path)
-    model_for.cache_clear()
+    new = [path for path in map(Path, paths) if path.name not in _PACK_MODELS]
+    for path in new:
+        _PACK_MODELS[path.name] = path
+    if new:
+        model_for.cache_clear()
 
 
 @functools.lru_cache(maxsize=None)

@@ -342,7 +342,8 @@ def _read_manifest(path: Path, tar: tarfile.TarFile, budget: _Budget) -> tuple[b
         raise BundleError(f"{path}: an empty archive, not a tiledispatch pack")
     check_member(path, info)
     if info.name != PACK_MANIFEST:
-        raise BundleError(f"{path}: the first member is {info.name[:200]!r}, not {PACK_MANIFEST}: not a tiledispatch pack")
+        raise BundleError(f"{path}: the first member is {info.name[:200]!r}, not {PACK_MANIFEST}: not a tiledispatch "
+                          f"pack")
     data = _read_member(path, tar, info, bundle.MAX_MANIFEST_BYTES)
     try:
         manifest = json.loads(data)
@@ -374,7 +375,8 @@ def check_manifest(path: Path, m) -> None:
             raise BundleError(f"{where}: {why}")
 
     need(isinstance(m, dict), "expected a JSON object")
-    need(m.get("format") == FORMAT, f"format {str(m.get('format'))[:80]!r}, expected {FORMAT!r}: not a tiledispatch pack")
+    need(m.get("format") == FORMAT,
+         f"format {str(m.get('format'))[:80]!r}, expected {FORMAT!r}: not a tiledispatch pack")
     version = m.get("format_version")
     need(type(version) is int and version == FORMAT_VERSION,
          f"pack format version {version!r}; this runtime reads version {FORMAT_VERSION}")
@@ -416,8 +418,8 @@ def check_manifest(path: Path, m) -> None:
              f"'{field}' must be a list of objects whose 'file' is listed in 'files'")
 
 
-def _extract(path: Path, tar: tarfile.TarFile, info: Optional[tarfile.TarInfo], manifest: dict, manifest_bytes: bytes, signature: Optional[bytes],
-             root: Path, target: Path) -> None:
+def _extract(path: Path, tar: tarfile.TarFile, info: Optional[tarfile.TarInfo], manifest: dict,
+             manifest_bytes: bytes, signature: Optional[bytes], root: Path, target: Path) -> None:
     """Extract every member into a temporary directory under root, checking each against the manifest,
     then rename it to target. When another process renamed its extraction first, that one is kept."""
     root.mkdir(parents=True, exist_ok=True)

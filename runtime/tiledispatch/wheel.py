@@ -62,8 +62,8 @@ def build(pack_path: Union[str, Path], output_dir: Union[str, Path] = ".", *, na
     bundles = ", ".join(f"{b['backend']}/{b['arch']} ({len(b['kernels'])} kernels)" for b in manifest["bundles"])
     files = {
         f"{module}/__init__.py": (f'"""The tiledispatch pack {name}: td.load("{name}") loads it."""\n'
-                                  f"from pathlib import Path\n\nPACK = Path(__file__).with_name({name + pack_mod.SUFFIX!r})\n"
-                                  ).encode(),
+                                  f"from pathlib import Path\n\n"
+                                  f"PACK = Path(__file__).with_name({name + pack_mod.SUFFIX!r})\n").encode(),
         f"{module}/{name}{pack_mod.SUFFIX}": data,
         f"{info}/METADATA": (f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n"
                              f"Summary: tiledispatch kernel pack {name}: {bundles}\n"
