@@ -570,3 +570,22 @@ def test_a_library_changed_while_it_is_packed_is_refused(bundles, tmp_path, monk
     with pytest.raises(td.BundleError, match="changed while it was packed"):
         pack.create([copy], tmp_path / "x.tdpack")
     assert not (tmp_path / "x.tdpack").exists() and not list(tmp_path.glob(".x.tdpack*"))
+
+
+def test_bundles_of_one_arch_merge_and_two_builds_of_a_kernel_are_refused(bundles, cache, tmp_path):
+    same = tmp_path / "same_copy"
+    shutil.copytree(bundles["native"], same)
+    out = tmp_path / "merged.tdpack"
+    pack.create([bundles["native"], same], out)
+    reg = td.load(out)
+    assert len(reg) == 2 and "cpu_" in reg.summary and "same_copy" in reg.summary
+    other = tmp_path / "other_build"
+    shutil.copytree(bundles["native"], other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    with open(other / manifest["kernels"][0]["file"], "ab") as f:
+        f.write(b"\0")  # another build of the same kernel: other bytes
+    bundle.write_manifest(other, [td.KernelKey.from_json(bundle._canonical(e["key"])) for e in manifest["kernels"]],
+                          backend="cpu", arch=NATIVE, toolchain={"identity": "other"}, kernel_sets=[], origins={})
+    pack.create([bundles["native"], other], tmp_path / "two.tdpack")
+    with pytest.raises(td.BundleError, match="as two different files"):
+        td.load(tmp_path / "two.tdpack")

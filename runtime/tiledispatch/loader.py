@@ -212,13 +212,18 @@ def _choose(opened: pack_mod.Pack, backend: Optional[str], arch: Optional[str]) 
 
 def _registry_of_pack(opened: pack_mod.Pack, backend, arch, autotune, tuning_cache) -> registry.Registry:
     chosen, skipped = _choose(opened, backend, arch)
-    kernels, names = [], set()
+    kernels, seen = [], {}  # name -> (bundle, sha256)
     for b in chosen:
         bdir = opened.bundle_dir(b)
         for k in b["kernels"]:
-            if k["name"] in names:
+            if k["name"] in seen:  # the same kernel in two bundles: one is enough when it is the same build
+                other, digest = seen[k["name"]]
+                if digest != k["sha256"]:
+                    raise BundleError(f"{opened.source}: kernel {k['name']} is in bundles {other} and {b['name']} "
+                                      f"as two different files (two builds); load one of them: "
+                                      f"td.load(..., backend=, arch=) or pack them apart")
                 continue
-            names.add(k["name"])
+            seen[k["name"]] = (b["name"], k["sha256"])
             try:
                 # the extraction checked each key against the kernel's name (bundle.read_manifest); this
                 # manifest is that one (the cache entry is named by its sha256)
