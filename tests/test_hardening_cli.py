@@ -277,10 +277,10 @@ def test_any_escaping_exception_is_a_json_error(monkeypatch, capsys, exc):
     """Not only the project's errors: whatever escapes keeps its type and message, as JSON, exit 2."""
     from tiledispatch import cli as cli_module
 
-    def load(path):
+    def load(path, **options):
         raise exc
 
-    monkeypatch.setattr(cli_module.registry_mod, "load", load)
+    monkeypatch.setattr(cli_module.loader, "load", load)
     assert cli_module.main(["list", "somewhere"]) == 2
     out = json.loads(capsys.readouterr().out)
     assert out == {"status": "error", "error": type(exc).__name__, "message": str(exc) or repr(exc)}

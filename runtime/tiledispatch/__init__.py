@@ -8,7 +8,8 @@ from .errors import (BundleError, InvalidInputError, KernelRuntimeError, SpecErr
                      UnsupportedProblemError)
 from .ops.conv import ConvProblem  # noqa: F401
 from .ops.gemm import GemmProblem  # noqa: F401
-from .registry import Kernel, Registry, load  # noqa: F401
+from .loader import load  # noqa: F401
+from .registry import Kernel, Registry  # noqa: F401
 from .spec.key import Algorithm, Epilogue, KernelKey, Signature, kernel_name, parse_kernel_name  # noqa: F401
 
 __version__ = "0.1.0"

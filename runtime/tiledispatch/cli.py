@@ -1,5 +1,11 @@
 """python -m tiledispatch {list, info, select, run, bench} BUNDLE [gemm | conv ...]: every command prints
-one JSON object (standard JSON: a non-finite number prints as null).
+one JSON object (standard JSON: a non-finite number prints as null). BUNDLE is a bundle directory, a pack
+(NAME.tdpack) or the name of an installed pack.
+
+python -m tiledispatch pack BUNDLE [BUNDLE ...] -o NAME.tdpack [--sign KEYFILE] [--tuning FILE] [--model FILE]
+python -m tiledispatch keygen KEYFILE        (writes KEYFILE, private, and KEYFILE.pub)
+python -m tiledispatch extract NAME.tdpack [--trust PUBLIC_KEY]   (the checked bundle directories, e.g. for C++)
+python -m tiledispatch wheel NAME.tdpack [-o DIR] [--name NAME] [--version X.Y.Z]
 
 Exit status: 0 success; 1 validation failed (run --validate); 2 any error, printed as
 {"status": "error", "error": TYPE, "message": ...}; 141 (128 + SIGPIPE, as a shell reports for a tool
@@ -21,7 +27,7 @@ import time
 
 import numpy as np
 
-from . import errors, learned, registry as registry_mod, selection, validation
+from . import errors, learned, loader, selection, validation
 from .ops import conv as conv_op
 from .ops import gemm as gemm_op
 from .spec.dtypes import DTYPES, dtype
@@ -256,7 +262,8 @@ def cmd_info(reg, a) -> int:
         m = reg.manifest
         _print({"backend": m["backend"], "arch": m["arch"], "kernel_sets": m.get("kernel_sets"),
                 "toolchain": m.get("toolchain"), "created": m.get("created"), "kernels": len(m["kernels"]),
-                "selection_models": learned.describe(m["backend"], m["arch"])})
+                "selection_models": learned.describe(m["backend"], m["arch"]),
+                **({"pack": m["pack"], "skipped": reg.skipped} if "pack" in m else {})})
     return 0
 
 
@@ -367,6 +374,44 @@ def _op_parsers(sp, command: str) -> None:
     _common_options(c, command)
 
 
+def cmd_pack(a) -> int:
+    from . import pack
+
+    manifest = pack.create(a.bundles, a.output, tuning_files=a.tuning or (), model_files=a.model or (),
+                           sign_key=a.sign)
+    _print({"pack": a.output, "signed": a.sign is not None,
+            "bundles": [{"name": b["name"], "backend": b["backend"], "arch": b["arch"], "kernels": len(b["kernels"])}
+                        for b in manifest["bundles"]],
+            "models": [m["file"] for m in manifest["models"]], "tuning": [t["file"] for t in manifest["tuning"]]})
+    return 0
+
+
+def cmd_keygen(a) -> int:
+    from . import signing
+
+    private, public, key_id = signing.keygen(a.keyfile)
+    _print({"private_key": str(private), "public_key": str(public), "key_id": key_id})
+    return 0
+
+
+def cmd_extract(a) -> int:
+    from . import pack
+
+    opened = pack.open_pack(a.pack, trust=a.trust)
+    _print({"pack": a.pack, "sha256": opened.digest, "cache": str(opened.root), "signed_by": opened.signed_by,
+            "bundles": [{"name": b["name"], "backend": b["backend"], "arch": b["arch"], "kernels": len(b["kernels"]),
+                         "dir": str(opened.bundle_dir(b))} for b in opened.manifest["bundles"]]})
+    return 0
+
+
+def cmd_wheel(a) -> int:
+    from . import wheel
+
+    path = wheel.build(a.pack, a.output, name=a.name, version=a.version)
+    _print({"wheel": str(path)})
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="python -m tiledispatch", description=__doc__,
                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -375,18 +420,43 @@ def parser() -> argparse.ArgumentParser:
                                    ("run", cmd_run, True), ("bench", cmd_bench, True)):
         sp = sub.add_parser(name)
         sp.set_defaults(fn=fn)
-        sp.add_argument("bundle", help="bundle directory (holds manifest.json)")
+        sp.add_argument("bundle",
+                        help="bundle directory (holds manifest.json), NAME.tdpack or an installed pack's name")
+        sp.add_argument("--trust", metavar="PUBLIC_KEY", help="a pack must be signed with this ed25519 key (PEM file)")
         if name == "info":
             sp.add_argument("--kernel", help="show one kernel's key")
         if with_problem:
             _op_parsers(sp, name)
+    sp = sub.add_parser("pack", help="write bundles into one archive, NAME.tdpack")
+    sp.set_defaults(fn=cmd_pack, standalone=True)
+    sp.add_argument("bundles", nargs="+", metavar="BUNDLE", help="bundle directories (any backends and arches)")
+    sp.add_argument("-o", "--output", required=True, help="the pack file to write (NAME.tdpack)")
+    sp.add_argument("--sign", metavar="KEYFILE", help="sign the pack with this ed25519 private key (keygen)")
+    sp.add_argument("--tuning", action="append", metavar="FILE", help="a tuning records file to carry (repeatable)")
+    sp.add_argument("--model", action="append", metavar="FILE",
+                    help="a learned model to carry, <backend>_<arch>_<op>.json (repeatable)")
+    sp = sub.add_parser("keygen", help="write a new ed25519 key pair for signing packs")
+    sp.set_defaults(fn=cmd_keygen, standalone=True)
+    sp.add_argument("keyfile", help="the private key file to write (its public key: KEYFILE.pub)")
+    sp = sub.add_parser("extract", help="check a pack, extract it into the cache, print its bundle directories")
+    sp.set_defaults(fn=cmd_extract, standalone=True)
+    sp.add_argument("pack", help="NAME.tdpack")
+    sp.add_argument("--trust", metavar="PUBLIC_KEY", help="the pack must be signed with this ed25519 key (PEM file)")
+    sp = sub.add_parser("wheel", help="build a pip-installable wheel carrying a pack")
+    sp.set_defaults(fn=cmd_wheel, standalone=True)
+    sp.add_argument("pack", help="NAME.tdpack")
+    sp.add_argument("-o", "--output", default=".", help="directory for the wheel (default: .)")
+    sp.add_argument("--name", help="the name td.load finds it by (default: the pack file's name without .tdpack)")
+    sp.add_argument("--version", default="1.0.0", help="the wheel's version (default: 1.0.0)")
     return ap
 
 
 def _main(argv) -> int:
     try:
         a = parser().parse_args(argv)
-        reg = registry_mod.load(a.bundle)
+        if getattr(a, "standalone", False):
+            return a.fn(a)
+        reg = loader.load(a.bundle, trust=a.trust)
         return a.fn(reg, a)
     except BrokenPipeError:
         raise

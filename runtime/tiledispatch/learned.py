@@ -111,8 +111,23 @@ class Model:
         return self.trees.predict(x)
 
 
+_PACK_MODELS: dict[str, Path] = {}  # file name -> a model a loaded pack carries (loader.py)
+
+
 def model_path(backend: str, arch: str, op: str) -> Path:
-    return MODELS_DIR / f"{backend}_{arch}_{op}.json"
+    """The runtime's own model; where it has none, one a loaded pack carries."""
+    own = MODELS_DIR / f"{backend}_{arch}_{op}.json"
+    return own if own.exists() or own.name not in _PACK_MODELS else _PACK_MODELS[own.name]
+
+
+def add_pack_models(paths) -> None:
+    """Use these model files (named <backend>_<arch>_<op>.json) for backends / arches / ops the runtime ships
+    no model for; the first pack loaded that carries one wins."""
+    new = [path for path in map(Path, paths) if path.name not in _PACK_MODELS]
+    for path in new:
+        _PACK_MODELS[path.name] = path
+    if new:
+        model_for.cache_clear()
 
 
 @functools.lru_cache(maxsize=None)

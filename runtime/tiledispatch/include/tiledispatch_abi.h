@@ -8,33 +8,68 @@
  * args->stream (cudaStream_t / hipStream_t; ignored by the cpu backend, which runs synchronously).
  * Every function that can fail returns a td_status and writes a readable reason into `reason`.
  *
- * Tensor slots (args->tensors[i]); shapes and strides are in elements, strides may be any value
- * the kernel's key allows (td_can_run says which it does not):
+ * Tensor slots (args->tensors[i]); shapes and strides are in elements, outermost first; strides may be any
+ * value the kernel's key allows (td_can_run says which it does not). A slot's dtype is a td_dtype code; the
+ * key's name spells its dtypes as A x B x C x accumulator (gemm_fp16xfp16xfp16xfp32_...: A, B and C / D fp16).
+ * Unused scalars and params are 0. C++ callers: runtime/cpp/tiledispatch_loader.h (gemm_args fills a GEMM).
  *
  *   GEMM   D = act(alpha * A@B + beta * C + bias + R0 + R1 + ...)
- *     0 A     [batch, M, K]
- *     1 B     [batch, K, N]
- *     2 C     [batch, M, N]  source of beta * C; data may be NULL when beta == 0; may alias D
- *     3 D     [batch, M, N]  output
- *     4 bias  [batch, N]     per-column bias (keys with epilogue.bias); batch stride 0 = shared
- *     5.. R_i [batch, M, N]  residuals (epilogue.residuals of them)
- *   scalars: 0 alpha, 1 beta, 2 clamp low, 3 clamp high
+ *   num_tensors = 5 + the key's epilogue.residuals. Slot 4 (bias) is ALWAYS counted, also for a kernel
+ *   without bias (its data is then NULL): a kernel without bias or residuals takes 5 tensors, not 4
+ *   ("expected 5 tensors (A, B, C, D, bias, 0 residuals), got 4" means slot 4 was left out).
+ *     slot  name  shape          dtype     data
+ *     0     A     [batch, M, K]  dtype_a   required; row-major ("r" as the layout's 1st letter): stride[2] == 1,
+ *                                          column-major ("c"): stride[1] == 1
+ *     1     B     [batch, K, N]  dtype_b   required; the layout's 2nd letter as for A
+ *     2     C     [batch, M, N]  dtype_c   source of beta * C; NULL when beta == 0; may alias D
+ *     3     D     [batch, M, N]  dtype_c   required: the output; the layout's 3rd letter (as C)
+ *     4     bias  [batch, N]     dtype_c   per-column bias: required when the key has epilogue.bias, else
+ *                                          NULL (still counted); batch stride 0 = one bias for every batch
+ *     5+i   R_i   [batch, M, N]  dtype_c   residual i, i < epilogue.residuals: required, row-major
+ *   batch stride 0 on A, B, C or a residual broadcasts it over the batch (never on D).
+ *   scalars: 0 alpha, 1 beta, 2 clamp low, 3 clamp high (read by activation "clamp" only)
  *   params (run-time tuning, no recompilation; 0 = the kernel's choice):
  *     params[0] raster order of output tiles: 0 heuristic, 1 along M, 2 along N
  *     params[1] tile swizzle: 0 heuristic, else 1, 2, 4 or 8
+ *   Example: layout "rcr", fp16, no bias (key ..._identity_...), M = 128, N = 256, K = 64, batch 1, beta 0:
+ *     num_tensors = 5
+ *     tensors[0] A     data a     TD_FP16  rank 3  shape {1, 128, 64}   stride {8192, 64, 1}
+ *     tensors[1] B     data b     TD_FP16  rank 3  shape {1, 64, 256}   stride {16384, 1, 64}
+ *     tensors[2] C     data NULL  TD_FP16  rank 3  shape {1, 128, 256}  stride {32768, 256, 1}
+ *     tensors[3] D     data d     TD_FP16  rank 3  shape {1, 128, 256}  stride {32768, 256, 1}
+ *     tensors[4] bias  data NULL  TD_FP16  rank 2  shape {1, 256}       stride {0, 1}
+ *     scalars = {1.0, 0.0, 0.0, 0.0}
+ *   With a bias (key ..._identitybias_...) tensors[4].data points at N values; with epilogue.residuals = 2,
+ *   num_tensors = 7 and tensors[5], tensors[6] are [1, 128, 256] row-major like D.
  *
- *   Grouped convolution (channels-last with a group axis; spatial rank S = 1, 2 or 3):
- *     0 X  input   [N, spatial_in..., G, C/G]
- *     1 W  weight  [G, K/G, filter..., C/G]
- *     2 Y  output  [N, spatial_out..., G, K/G]
- *   fwd writes Y from X, W; bwd_data writes X from Y, W; bwd_weight writes W from X, Y.
- *   params: [0] S, then per spatial dim d (d = 0..S-1, outermost first; TD_CONV_* below name the slots,
- *   tiledispatch_kernel.h reads them):
+ *   Grouped convolution (channels-last with a group axis; spatial rank S = 1, 2 or 3; G groups):
+ *   num_tensors = 3, in this slot order for every direction; dtypes by slot: X dtype_a, W dtype_b, Y dtype_c.
+ *     slot  name  shape                          fwd     bwd_data  bwd_weight
+ *     0     X     [N, spatial_in..., G, C/G]     input   OUTPUT    input
+ *     1     W     [G, K/G, filter..., C/G]       input   input     OUTPUT
+ *     2     Y     [N, spatial_out..., G, K/G]    OUTPUT  input     input
+ *   fwd writes Y = conv(X, W); bwd_data writes X = dX from Y = dY and W; bwd_weight writes W = dW from X
+ *   and Y = dY. Ranks: X and Y 3 + S, W 3 + S. C and K count all groups' channels.
+ *   params: [0] S, then per spatial dim d (d = 0..S-1, outermost first; the entries of dims >= S are 0;
+ *   TD_CONV_* below name the slots, tiledispatch_kernel.h reads them):
  *     params[1 + d]       stride
  *     params[4 + d]       dilation
  *     params[7 + d]       padding low
  *     params[10 + d]      padding high
  *   scalars: 0 alpha, 1 beta (beta * previous contents of the written tensor).
+ *   spatial_out = (spatial_in + pad_lo + pad_hi - dilation * (filter - 1) - 1) / stride + 1.
+ *   Example, fwd: 2-D, fp16, N = 8, input 32 x 32, C = 64, K = 128, G = 1, 3 x 3 filter, stride 1, padding 1:
+ *     num_tensors = 3
+ *     tensors[0] X  data x  TD_FP16  rank 5  shape {8, 32, 32, 1, 64}   stride {65536, 2048, 64, 64, 1}
+ *     tensors[1] W  data w  TD_FP16  rank 5  shape {1, 128, 3, 3, 64}   stride {73728, 576, 192, 64, 1}
+ *     tensors[2] Y  data y  TD_FP16  rank 5  shape {8, 32, 32, 1, 128}  stride {131072, 4096, 128, 128, 1}
+ *     params = {2, 1, 1, 0, 1, 1, 0, 1, 1, 0, 1, 1, 0}
+ *     scalars = {1.0, 0.0}
+ *   Example, bwd_data of the same layer: the same three slots, shapes and params; X is written (dX), Y holds
+ *     dY; scalars {1.0, 1.0} would add dX to X's previous contents.
+ *   Example, bwd_weight: 1-D depthwise, fp32, N = 4, input 100, C = K = G = 16, filter 5, stride 2, no padding
+ *     (spatial_out = 48): X {4, 100, 16, 1} stride {1600, 16, 1, 1}; W (written, dW) {16, 1, 5, 1} stride
+ *     {5, 5, 1, 1}; Y (dY) {4, 48, 16, 1} stride {768, 16, 1, 1}; params = {1, 2, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0}.
  */
 #ifndef TILEDISPATCH_ABI_H
 #define TILEDISPATCH_ABI_H
