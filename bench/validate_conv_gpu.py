@@ -331,8 +331,8 @@ def check_pointwise(registries) -> list[dict]:
             for alpha, beta in ((1.0, 0.0), (0.5, -1.5)):
                 def check_runtime(entry, alpha=alpha, beta=beta):  # called at once, in this iteration
                     ran = []
-                    real = reg.run
-                    reg.run = lambda prob, *a, **kw: ran.append(prob.op) or real(prob, *a, **kw)
+                    real = reg._launch  # every launch of a public call is prepared there
+                    reg._launch = lambda prob, *a, **kw: ran.append(prob.op) or real(prob, *a, **kw)
                     try:
                         if beta:  # out = alpha * conv + beta * out, in place (the GEMM's C is its D)
                             written.copy_(torch.rand(written.shape, generator=gen, device="cuda") - 0.5)
@@ -345,7 +345,7 @@ def check_pointwise(registries) -> list[dict]:
                             conv.bwd_data(reg, y, w, x, alpha=alpha, beta=beta)
                         torch.cuda.synchronize()
                     finally:
-                        del reg.run
+                        del reg._launch
                     entry["ran"] = ran
                     result = _against(written, want, reg.select(gp).key)
                     result["passed"] = result["passed"] and ran == ["gemm"]

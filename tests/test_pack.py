@@ -64,6 +64,7 @@ KEY_ONLY_KERNELS = {  # members of fp16_rcr_essential
 
 
 def build_cpu_bundle(root: Path, arch: str, name: str) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
     spec = root / "pack_set.yaml"
     spec.write_text(SET)
     scons(REPO, f"kernels={spec}", "backend=cpu", f"arch={arch}", f"build_dir={root}",
