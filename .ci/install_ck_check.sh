@@ -7,7 +7,7 @@
 # Idempotent: each piece is skipped when already there. Everything goes to $TD_CK_CHECK_DIR (default
 # ~/.cache/tiledispatch/ck_check, about 200 MB: cache it in CI), never into the repository. The wheels
 # (430 MB) are deleted once unpacked unless TD_CK_KEEP_WHEELS=1.
-# Prints the environment variables that backends/ck_tile.check_toolchain() reads.
+# Prints the environment variables that check_toolchain() of templates/ck_tile/toolchain.py reads.
 set -euo pipefail
 
 AITER_WHEEL_VERSION=0.1.7.post2.dev18

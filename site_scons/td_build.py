@@ -190,7 +190,8 @@ def _compile_action(target, source, env):
         cmd = backend.check_command(key, tc, str(source[0]), tmp)
     else:
         tc = backend.toolchain()
-        cmd = backend.compile_command(key, tc, str(source[0]), tmp, [str(abi.INCLUDE_DIR)])
+        cmd = backend.compile_command(key, tc, str(source[0]), tmp,
+                                      [str(d) for d in codegen.include_dirs(key, Path(env["TD_TEMPLATES_ROOT"]))])
     start = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -261,7 +262,7 @@ def add_kernels(env, entries, *, backend_name: str, mode: str, build_dir: str, t
         env.Depends(src, [str(p) for p in deps.render_inputs(key, Path(templates_root))])
         suffix = ".check" if mode == "check" else ".so"
         lib = env.TdCompile(f"{build_dir}/{'check' if mode == 'check' else 'lib'}/{key.name}{suffix}", src,
-                            TD_KEY=key.to_json(), TD_ORIGIN=entry.origin, TD_MODE=mode,
+                            TD_KEY=key.to_json(), TD_ORIGIN=entry.origin, TD_MODE=mode, TD_TEMPLATES_ROOT=templates_root,
                             TD_FLAGS=" ".join(flags_of(key, tc)), TD_TOOLCHAIN=tc.identity)
         env.Depends(lib, [str(p) for p in deps.compile_inputs(key, Path(templates_root))])
         out[key.name] = lib[0]

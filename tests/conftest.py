@@ -88,7 +88,6 @@ def toolchain_or_reason(backend):
 def compile_keys(backend, toolchain, keys, out: Path, timeout: int = 900) -> dict:
     """Render and compile keys in parallel (one compiler process each) into out; {key: (library, log)}.
     A failing compile fails the caller with the compiler's output."""
-    from tiledispatch import abi
     from tiledispatch.generator import codegen
 
     procs = {}
@@ -96,7 +95,7 @@ def compile_keys(backend, toolchain, keys, out: Path, timeout: int = 900) -> dic
         src = out / codegen.source_name(key)
         src.write_text(codegen.render(key))
         lib = out / f"{key.name}.so"
-        cmd = backend.compile_command(key, toolchain, str(src), str(lib), [str(abi.INCLUDE_DIR)])
+        cmd = backend.compile_command(key, toolchain, str(src), str(lib), [str(d) for d in codegen.include_dirs(key)])
         procs[key] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), lib)
     built = {}
     for key, (proc, lib) in procs.items():

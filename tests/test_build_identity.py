@@ -78,7 +78,8 @@ def _build(repo: Path) -> tuple[set[str], set[str]]:
 
 def _edit(path: Path) -> None:
     """A change of content that changes no rendered text and no compiled code: a comment in the file's language."""
-    comment = {".py": "# edited\n", ".yaml": "# edited\n", ".j2": "{# edited #}\n", ".h": "// edited\n"}[path.suffix]
+    comment = {".py": "# edited\n", ".yaml": "# edited\n", ".j2": "{# edited #}\n", ".h": "// edited\n",
+               ".cuh": "// edited\n"}[path.suffix]
     path.write_text(path.read_text() + comment)
 
 
@@ -113,10 +114,14 @@ def test_dependencies_follow_the_layout(tmp_path):
     render, compile_ = _inputs(keys)
     for rel, users in render.items():
         assert users == expected(rel, names), rel
+    for rel, users in compile_.items():  # the plain C++ headers of the family and backend folders too
+        assert users == expected(rel, names), rel
+    assert compile_["templates/cpu/cpu_common.h"] == compile_["templates/cpu/cpu_includes.h"] == set(names)
+    assert compile_["templates/cpu/conv_direct/conv_direct.h"] == {n for n in names if family(n) == "conv_direct"}
     assert compile_["runtime/tiledispatch/include/tiledispatch_abi.h"] == set(names)
     assert compile_["templates/cpu/toolchain.py"] == set(names)
     for must in ("templates/cpu/gemm/__init__.py", "templates/cpu/conv_direct/conv_fwd_direct.cpp.j2",
-                 "templates/cpu/_common.j2", "templates/cpu/__init__.py", "templates/cpu/rules.yaml",
+                 "templates/cpu/_microkernel.j2", "templates/cpu/__init__.py", "templates/cpu/rules.yaml",
                  "runtime/tiledispatch/generator/codegen.py", "runtime/tiledispatch/spec/key.py"):
         assert must in render, must
     assert not any(r.startswith(("templates/cutlass", "templates/ck_tile")) for r in render)
@@ -176,14 +181,18 @@ def test_every_file_the_rendering_reads_is_listed(backend, arch):
 
 def test_editing_a_file_rebuilds_exactly_its_dependents(repo):
     """cpu, for real: a family module, a family template and a shared partial re-render exactly their kernels, a
-    C++ change recompiles only its kernel, another backend's file rebuilds nothing."""
+    family's C++ header or a C++ change recompiles only its kernels, another backend's file rebuilds nothing."""
     names = [k.name for k in _keys(repo / "kernel_specs")]
     _build(repo)
-    for rel in ("templates/cpu/gemm/__init__.py", "templates/cpu/conv_direct/_conv_direct.j2",
+    for rel in ("templates/cpu/gemm/__init__.py", "templates/cpu/conv_direct/conv_fwd_direct.cpp.j2",
                 "templates/cpu/_conv_common.j2", "templates/cutlass/common.py"):
         _edit(repo / rel)
         rendered, compiled = _build(repo)
         assert rendered == expected(rel, names) and compiled == set(), rel
+    rel = "templates/cpu/conv_direct/conv_direct.h"  # a family's plain C++ header: a compile input
+    _edit(repo / rel)
+    rendered, compiled = _build(repo)
+    assert rendered == set() and compiled == expected(rel, names), rel
     path = repo / "templates/cpu/conv_packed/conv_fwd.cpp.j2"
     path.write_text(path.read_text() + "// edited\n")
     rendered, compiled = _build(repo)

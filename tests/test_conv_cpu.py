@@ -392,7 +392,7 @@ def test_generic_arch_fp16_conversions(tmp_path, direction, pipeline):
     converts fp16 in software: check that path against the reference too."""
     import subprocess
 
-    from tiledispatch import abi
+    from tiledispatch.generator import codegen
     from tiledispatch.generator.codegen import render
     from tiledispatch.registry import Kernel, Registry
     from tiledispatch.spec.key import Algorithm, KernelKey, Signature
@@ -401,7 +401,8 @@ def test_generic_arch_fp16_conversions(tmp_path, direction, pipeline):
                     Algorithm(tuple(TEST_TILE[pipeline]), pipeline, mma=(4, 4, 1)), "cpu", "generic")
     src, lib = tmp_path / "k.cpp", tmp_path / f"{key.name}.so"
     src.write_text(render(key))
-    subprocess.run(cpu.compile_command(key, cpu.toolchain(), str(src), str(lib), [str(abi.INCLUDE_DIR)]), check=True)
+    subprocess.run(cpu.compile_command(key, cpu.toolchain(), str(src), str(lib), [str(d) for d in codegen.include_dirs(key)]),
+                   check=True)
     registry = Registry([Kernel(key, lib)], "cpu", "generic")
     p, data, expect = make_case(np.random.default_rng(19), direction, 2, "depthwise", "s2d2", "fp16")
     out = run(registry, direction, data, p)

@@ -364,9 +364,13 @@ def test_direct_mma_rows_renders_and_ranks_first_on_depthwise_7x7():
     rows = mma_conv("bwd_weight", cpg=1, f=7, tile=(56, 16, 8), warps=(8, 1, 1),
                     extras=(("cutlass.rows", 1), ("cutlass.occupancy", 2)))
     text = codegen.render(rows)
+    header = '#include "conv_direct_wgrad_rows.cuh"'  # the row form's plain CUDA, in the family's folder
+    assert header in text
+    text += (backends.family_of(rows).path / "conv_direct_wgrad_rows.cuh").read_text()
     assert "stsm_x4(dst, r4)" in text and "accumulate_rows(p, rl" in text and "reduce_rows(p, red, ctile" in text
     assert "accumulate_mma(p, xs" not in text and "{{" not in text and "{%" not in text
     chunk_text = codegen.render(mma_conv("bwd_weight", warps=(8, 1, 1)))
+    assert header not in chunk_text
     assert "transpose_step" not in chunk_text and "stmatrix" not in chunk_text  # sm80 builds have no stmatrix
     chunk = mma_conv("bwd_weight", cpg=1, f=7, tile=(28, 64, 8), warps=(8, 1, 1))
     prob = ConvProblem("bwd_weight", 32, 128, 128, 128, (56, 56), (7, 7), 1, 1, 3, 3, "fp16", "fp16", "fp16")

@@ -33,6 +33,7 @@ for name in sys.argv[2:]:
     text = codegen.render(key)
     assert all(p.resolve().is_relative_to(site) for p in deps.render_inputs(key) + deps.compile_inputs(key))
     out["rendered"][name] = key.to_json() in text
+    out.setdefault("headers", []).extend(p.name for p in deps.compile_inputs(key) if p.suffix in (".h", ".cuh"))
 print(json.dumps(out))
 """
 
@@ -69,3 +70,5 @@ def test_a_built_wheel_carries_the_families(tmp_path):
     assert set(out["families"]["cutlass"]) == {"conv_direct", "conv_implicit_gemm", "conv_tma_ws", "gemm_sm80",
                                                "gemm_sm90"}
     assert all(out["rendered"].values()) and len(out["rendered"]) == 2
+    # the plain C++ headers of the folders and of the ABI came along (a missing one would not be listed)
+    assert {"tiledispatch_abi.h", "tiledispatch_kernel.h", "cpu_includes.h", "cpu_common.h"} <= set(out["headers"])

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import jinja2
 
-from .. import backends, families
+from .. import abi, backends, families
 from ..spec.key import KernelKey
 from . import rules, toolchains
 
@@ -37,6 +37,12 @@ def source_name(key: KernelKey) -> str:
 def template_dirs(key: KernelKey, root: Path = TEMPLATES_ROOT) -> list[Path]:
     """Where the key's templates are looked up: its family's folder, then its backend's (shared partials)."""
     return [root / key.backend / backends.family_of(key).name, root / key.backend]
+
+
+def include_dirs(key: KernelKey, root: Path = TEMPLATES_ROOT) -> list[Path]:
+    """Where a compile of the key's source finds our headers: the ABI's include directory (tiledispatch_abi.h,
+    tiledispatch_kernel.h), then the plain C++ headers of its family's folder and its backend's folder."""
+    return [abi.INCLUDE_DIR, *template_dirs(key, root)]
 
 
 def template_files(key: KernelKey, root: Path = TEMPLATES_ROOT) -> list[Path]:

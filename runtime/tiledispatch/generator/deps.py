@@ -18,7 +18,7 @@ import importlib.util
 import re
 from pathlib import Path
 
-from .. import abi, backends
+from .. import backends
 from ..spec.key import KernelKey
 from . import codegen, rules
 
@@ -84,7 +84,7 @@ def render_inputs(key: KernelKey, root: Path = codegen.TEMPLATES_ROOT) -> list[P
 
 def compile_inputs(key: KernelKey, root: Path = codegen.TEMPLATES_ROOT) -> list[Path]:
     """Our own headers the key's source includes, and its backend's toolchain module (with what it imports)."""
-    search = [abi.INCLUDE_DIR, *codegen.template_dirs(key, root)]
+    search = codegen.include_dirs(key, root)
     headers: set[Path] = set()
     todo = list(codegen.template_files(key, root))
     while todo:

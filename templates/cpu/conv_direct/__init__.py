@@ -12,8 +12,8 @@ def claims(key) -> bool:
 
 
 def templates(key) -> list[str]:
-    return [f"conv_{key.signature.direction}_direct.cpp.j2", "_includes.j2", "_common.j2", "_conv_common.j2",
-            "_microkernel.j2", "_conv_direct.j2"]
+    return [f"conv_{key.signature.direction}_direct.cpp.j2", "_conv_common.j2",
+            "_microkernel.j2"]
 
 
 context = common.context

@@ -9,7 +9,7 @@ def claims(key) -> bool:
 
 
 def templates(key) -> list[str]:  # identity epilogue only (rule cpu.conv_epilogue)
-    return [f"conv_{key.signature.direction}.cpp.j2", "_includes.j2", "_common.j2", "_conv_common.j2",
+    return [f"conv_{key.signature.direction}.cpp.j2", "_conv_common.j2",
             "_microkernel.j2"]
 
 

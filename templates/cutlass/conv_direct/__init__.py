@@ -20,9 +20,8 @@ def templates(key) -> list[str]:
         main = "conv_direct_bwd_weight.cu.j2" if sig.direction == "bwd_weight" else "conv_direct.cu.j2"
         return [main, "_conv_common.j2", "_conv_direct.j2"]
     if sig.direction == "bwd_weight":
-        rows = ["_conv_direct_wgrad_rows.j2"] if common.extra(key, "rows") else []
         return ["conv_direct_bwd_weight.cu.j2", "_conv_common.j2", "_conv_direct.j2", "_conv_direct_wgrad_mma.j2",
-                "_mma_sync.j2"] + rows
+                "_mma_sync.j2"]
     return ["conv_direct.cu.j2", "_conv_common.j2", "_conv_direct.j2", "_conv_direct_mma.j2", "_mma_sync.j2"]
 
 

@@ -1,3 +1,6 @@
+// direct_mma bwd_weight's row form (cutlass.rows = 1), plain CUDA included by conv_direct_bwd_weight.cu.j2 inside
+// its kernel namespace.
+#pragma once
 // ---- direct_mma bwd_weight, depthwise row form (cutlass.rows) ----------------------------------------------
 // The channel-chunk form keeps 16 of each mma's 128 entries on depthwise filters. Here one mma serves one channel
 // and one filter row: k runs over 16 groups u of 8 neighbouring output pixels (output pixel b_u + v, v < 8),

@@ -1,3 +1,6 @@
+// What every cpu kernel shares: fp16 / bf16 storage conversions and the checks of the run-time arguments
+// (plain C++, included by the cpu families' main templates after their compile-time constants).
+#pragma once
 // ---- storage conversions (fp16 / bf16 are carried as raw bits) ------------------------------
 static inline float half_to_float(uint16_t h) {
   const uint32_t sign = uint32_t(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;

@@ -1,3 +1,5 @@
+// The cpu direct convolution family's helpers (plain C++, included by its main templates).
+#pragma once
 // ---- direct convolution helpers: channels of every group as vector lanes ---------------------------
 constexpr int64_t EXPAND_LIMIT_BYTES = int64_t(2) << 20;  // per-thread expanded halo
 // Direct kernels serve narrow groups: with more channels per group a packed (implicit GEMM) kernel reuses

@@ -1,3 +1,5 @@
+// The headers every cpu kernel source includes first (plain C++: included by the cpu families' main templates).
+#pragma once
 #include <algorithm>
 #include <cmath>
 #include <cstdarg>
