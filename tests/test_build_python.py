@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -223,12 +224,14 @@ def test_jit_builds_a_missing_kernel_once_and_a_fresh_process_fetches_it(tmp_pat
     bundle, cache = tmp_path / "bundle" / "fp32_rcr_essential", tmp_path / "jit_cache"
     log, first = _jit(bundle, tmp_path / "jit1", cache)
     assert "OFF-BY-DEFAULT: refused" in log
-    assert "jit: no kernel of the bundle runs gemm" in log and "] compiled gemm_fp32" in log, log
+    assert re.search(r"tiledispatch.jit: no kernel of the bundle runs gemm .* building gemm_fp32\S+ on demand", log)
+    assert re.search(r"\[1/1\] compiled +gemm_fp32", log), log
     assert first["added"] == 1 and first["err"] < 1e-5 and "_identityres1_" in first["names"][0], first
 
     # a fresh process and a cold build directory: the same kernel, from the cache, asked for by its name first
     log, second = _jit(bundle, tmp_path / "jit2", cache, first["names"][0])
-    assert "jit: the bundle has no kernel" in log and "] cached gemm_fp32" in log and "] compiled" not in log, log
+    assert "tiledispatch.jit: the bundle has no kernel gemm_fp32" in log, log
+    assert re.search(r"\[1/1\] cached +gemm_fp32", log) and "compiled" not in log, log
     assert second["names"] == first["names"] and second["err"] < 1e-5
 
 
@@ -304,3 +307,26 @@ def test_build_from_a_process_that_initialised_cuda(tmp_path):
                    jobs=2)
     check_gemm(reg)
     assert np.array_equal(before.to_host(), host)
+
+
+def test_jit_chooses_legal_keys_with_the_problems_signature():
+    """The on-demand choice, without building: the problem's signature, algorithms from the preselected sets,
+    those declared for the problem's own dtypes preferred, every candidate legal."""
+    from tiledispatch.generator import jit, rules
+
+    gemm = td.GemmProblem(m=64, n=64, k=64, dtype_a="bf16", dtype_b="bf16", dtype_c="bf16", layout="c*r",
+                          epilogue=td.Epilogue(activation="gelu_erf", bias=True))
+    keys = jit.candidate_keys(gemm, "cpu", ARCH, [])
+    assert keys and all(gemm.mismatch(k) is None and not rules.check(k) for k in keys)
+    assert {k.signature.layout for k in keys} == {"crr", "ccr"}  # '*': both
+    bf16_tiles = {e.key.algorithm for e in __import__("tiledispatch.generator.kernelset", fromlist=["load"]).load(
+        ["bf16_rcr_essential"], "cpu", ARCH)}
+    assert {k.algorithm for k in keys} <= bf16_tiles  # the bf16 set's algorithms, not the fp16 or fp32 ones
+
+    conv = td.ConvProblem(direction="bwd_data", n=2, g=1, c=16, k=32, in_size=(9, 9), filter_size=(3, 3),
+                          stride=(1, 1), dilation=(1, 1), pad_lo=(1, 1), pad_hi=(1, 1), dtype_x="fp32",
+                          dtype_w="fp32", dtype_y="fp32")
+    keys = jit.candidate_keys(conv, "cpu", ARCH, [])
+    assert keys and all(conv.mismatch(k) is None and not rules.check(k) for k in keys)
+    assert {(k.signature.direction, k.signature.spatial_dims, k.signature.dtype_a) for k in keys} == \
+        {("bwd_data", 2, "fp32")}

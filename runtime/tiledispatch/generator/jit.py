@@ -40,11 +40,11 @@ class OnDemand:
         returns how many kernels were added (0: no legal kernel of this backend and arch computes it)."""
         keys = candidate_keys(problem, registry.backend, registry.arch, [k.key for k in registry.kernels])
         if not keys:
-            log.warning("jit: no legal %s/%s kernel computes %s: nothing to build", registry.backend, registry.arch,
+            log.warning("no legal %s/%s kernel computes %s: nothing to build on demand", registry.backend, registry.arch,
                         problem)
             return 0
         key = selection.learned(problem, [_Candidate(k) for k in keys])[0].key
-        log.info("jit: no kernel of the bundle runs %s; building %s", problem, key.name)
+        log.info("no kernel of the bundle runs %s; building %s on demand (jit)", problem, key.name)
         self._add(registry, key)
         return 1
 
@@ -62,7 +62,7 @@ class OnDemand:
         violations = rules.check(key)
         if violations:
             raise SpecError(f"kernel {name} is illegal: " + "; ".join(map(str, violations)))
-        log.info("jit: the bundle has no kernel %s; building it", name)
+        log.info("the bundle has no kernel %s; building it on demand (jit)", name)
         return self._add(registry, key)
 
     def _add(self, registry, key: KernelKey):
