@@ -3,6 +3,7 @@ declarations and explicit keys, typed errors, the compiler launcher, on-demand (
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -94,6 +95,21 @@ def test_explicit_keys_build_exactly_those_kernels(tmp_path):
     assert [k.key for k in reg.kernels] == [key]
     with pytest.raises(td.SpecError, match="arch=x86v3, but the KernelKeys given are for x86v4"):
         td.build([key], arch="x86v3", build_dir=tmp_path)
+
+
+def test_jobs_are_the_command_lines(tmp_path, caplog):
+    """jobs=None: the command line's default (the CPU count, capped by free memory, in SConstruct); jobs=N: -jN."""
+    wait_for_prebuild()
+    caplog.set_level(logging.INFO, logger="tiledispatch.build")
+    for jobs, want in ((None, os.cpu_count()), (1, 1)):
+        caplog.clear()
+        td.build("fp32_rcr_essential", backend="cpu", arch=ARCH, build_dir=tmp_path, cache_dir=SESSION["cache_dir"],
+                 jobs=jobs)
+        header = [r.getMessage() for r in caplog.records if "job(s)" in r.getMessage()]
+        assert header and header[0].endswith(f"; {want} job(s)") or "more memory than is free" in caplog.text, header
+        assert any(r.getMessage().startswith("2 kernel(s):") for r in caplog.records), caplog.text
+    with pytest.raises(td.InvalidInputError, match="jobs must be a positive integer"):
+        td.build("fp32_rcr_essential", backend="cpu", arch=ARCH, build_dir=tmp_path, jobs=0)
 
 
 def test_illegal_declaration_fails_with_the_rule_named(tmp_path):

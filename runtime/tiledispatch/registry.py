@@ -352,8 +352,8 @@ def load(bundle_dir: Union[str, Path], *, autotune: bool = False,
          tuning_cache: Optional[tuning.TuningCache] = None, jit: Union[bool, dict] = False) -> Registry:
     """Load a bundle; autotune: see Registry; tuning_cache: where tuning records live (default:
     tuning.default_path()); jit: True (or a dict of tiledispatch.build options) builds the kernels a problem or a
-    kernel name needs that the bundle lacks (tiledispatch.generator.jit), off by default. Checked in this order (README, "Trust model"): the manifest's structure, then
-    per kernel: its path confined to the bundle, its bytes read once, their sha256 and their static embedded
+    kernel name needs that the bundle lacks (tiledispatch.generator.jit), off by default. Checked in this order
+    (README, "Trust model"): the manifest's structure, then per kernel: its path confined to the bundle, its bytes read once, their sha256 and their static embedded
     key, and only then dlopen of a sealed copy of those bytes, its ABI version and its td_kernel_key()."""
     manifest = bundle.read_manifest(bundle_dir)
     kernels = []

@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Optional, Union
 import yaml
 
 from .. import backends, registry
-from ..errors import BuildError, SpecError
+from ..errors import BuildError, InvalidInputError, SpecError
 from ..spec.key import KernelKey
 from . import kernelset, toolchains
 
@@ -88,10 +88,13 @@ def build(sets_or_keys: Union[Declaration, Iterable[Declaration]], backend: str 
         if cache_dir is not None:
             args.append(f"cache_dir={cache_dir if str(cache_dir) == 'none' else Path(cache_dir).resolve()}")
         if launcher:
-            args.append(f"launcher={launcher if isinstance(launcher, str) else shlex.join(launcher)}")
+            words = shlex.split(launcher) if isinstance(launcher, str) else [os.fspath(w) for w in launcher]
+            if words and os.sep in words[0]:
+                words[0] = os.path.abspath(words[0])  # scons runs in the checkout, not here
+            args.append(f"launcher={shlex.join(words)}")
         if jobs is not None:
             if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
-                raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
+                raise InvalidInputError(f"jobs must be a positive integer, got {jobs!r}")
             args.append(f"-j{jobs}")
         _run_scons(args, progress)
     return registry.load(bundle_dir)
@@ -250,6 +253,8 @@ def _run_scons(args: list[str], progress: Optional[Progress]) -> None:
                 errors.append(line[len("tiledispatch: error: "):])
             elif line.startswith("tiledispatch: warning"):
                 log.warning("%s", line)
+            elif line.startswith("tiledispatch: "):  # what it builds with how many jobs, the summary
+                log.info("%s", line[len("tiledispatch: "):])
             else:
                 log.debug("%s", line)
     if proc.returncode == 0:
