@@ -313,9 +313,11 @@ def test_build_from_a_process_that_initialised_cuda(tmp_path):
     from tiledispatch import cuda
 
     try:
-        cuda.device_count()
+        devices = cuda.device_count()
     except Exception as e:  # noqa: BLE001 (any reason there is no usable CUDA runtime)
         pytest.skip(f"no CUDA runtime: {e}")
+    if devices == 0:
+        pytest.skip("no CUDA device")
     host = np.arange(64, dtype=np.float32)
     before = cuda.DeviceArray(host)  # a context and an allocation exist before the build
     wait_for_prebuild()
@@ -338,6 +340,12 @@ def test_jit_chooses_legal_keys_with_the_problems_signature():
     bf16_tiles = {e.key.algorithm for e in __import__("tiledispatch.generator.kernelset", fromlist=["load"]).load(
         ["bf16_rcr_essential"], "cpu", ARCH)}
     assert {k.algorithm for k in keys} <= bf16_tiles  # the bf16 set's algorithms, not the fp16 or fp32 ones
+
+    for arch in ("sm90a", "sm80"):  # a GPU backend's choice is made the same way (building it needs nvcc)
+        fp16 = td.GemmProblem(m=512, n=512, k=512, dtype_a="fp16", dtype_b="fp16", dtype_c="fp16", layout="rrr",
+                              epilogue=td.Epilogue(activation="silu", bias=True))
+        keys = jit.candidate_keys(fp16, "cutlass", arch, [])
+        assert keys and all(fp16.mismatch(k) is None and not rules.check(k) for k in keys), arch
 
     conv = td.ConvProblem(direction="bwd_data", n=2, g=1, c=16, k=32, in_size=(9, 9), filter_size=(3, 3),
                           stride=(1, 1), dilation=(1, 1), pad_lo=(1, 1), pad_hi=(1, 1), dtype_x="fp32",
