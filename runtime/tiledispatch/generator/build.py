@@ -64,12 +64,16 @@ def build(sets_or_keys: Union[Declaration, Iterable[Declaration]], backend: str 
 
     Raises SpecError for a bad or illegal declaration (naming the rule), BuildError when a kernel does not
     compile (naming it, with its compiler output) or the build cannot start."""
+    if jobs is not None and (not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1):
+        raise InvalidInputError(f"jobs must be a positive integer, got {jobs!r}")
     items = _as_items(sets_or_keys)
     keys = [item for item in items if isinstance(item, KernelKey)]
     backend, arch = _target(backend, arch, keys)
     build_dir = Path(build_dir or DEFAULT_BUILD_DIR).resolve()
     declared = _declarations(items, keys)
     bundle = bundle or "+".join(stem for stem, _, _ in declared)
+    if not isinstance(bundle, str) or bundle in ("", ".", "..") or Path(bundle).name != bundle:
+        raise InvalidInputError(f"bundle={bundle!r}: the bundle name must be a plain name under build_dir, not a path")
     bundle_dir = build_dir / bundle
     if not SCONSTRUCT.is_file():
         raise BuildError(f"tiledispatch.build runs the SCons build of a source checkout; there is no {SCONSTRUCT} "
@@ -93,8 +97,6 @@ def build(sets_or_keys: Union[Declaration, Iterable[Declaration]], backend: str 
                 words[0] = os.path.abspath(words[0])  # scons runs in the checkout, not here
             args.append(f"launcher={shlex.join(words)}")
         if jobs is not None:
-            if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
-                raise InvalidInputError(f"jobs must be a positive integer, got {jobs!r}")
             args.append(f"-j{jobs}")
         _run_scons(args, progress)
     return registry.load(bundle_dir)
