@@ -79,9 +79,9 @@ class Registry:
         """A kernel argument (a Kernel, a kernel name or None) as a Kernel or None."""
         if kernel is None or isinstance(kernel, Kernel):
             return kernel
-        if isinstance(kernel, (str, KernelKey)):
-            return self.kernel(kernel if isinstance(kernel, str) else kernel.name)
-        raise InvalidInputError(f"kernel must be a Kernel of this registry, a kernel name or key, got {kernel!r}")
+        if isinstance(kernel, str):
+            return self.kernel(kernel)
+        raise InvalidInputError(f"kernel must be a Kernel of this registry or a kernel name, got {kernel!r}")
 
     def kernel(self, name: str) -> Kernel:
         for k in self.kernels:
