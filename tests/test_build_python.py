@@ -343,6 +343,8 @@ def test_jit_chooses_legal_keys_with_the_problems_signature():
     bf16_tiles = {e.key.algorithm for e in __import__("tiledispatch.generator.kernelset", fromlist=["load"]).load(
         ["bf16_rcr_essential"], "cpu", ARCH)}
     assert {k.algorithm for k in keys} <= bf16_tiles  # the bf16 set's algorithms, not the fp16 or fp32 ones
+    # a kernel the registry holds already and that refused the problem is not chosen again
+    assert jit.candidate_keys(gemm, "cpu", ARCH, [], exclude={keys[0]}) == keys[1:]
 
     for arch in ("sm90a", "sm80"):  # a GPU backend's choice is made the same way (building it needs nvcc)
         fp16 = td.GemmProblem(m=512, n=512, k=512, dtype_a="fp16", dtype_b="fp16", dtype_c="fp16", layout="rrr",

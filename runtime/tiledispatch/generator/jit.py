@@ -38,10 +38,13 @@ class OnDemand:
     def add_for(self, registry, problem) -> int:
         """Build the kernel the ranker would want for a problem no kernel of the registry runs and add it;
         returns how many kernels were added (0: no legal kernel of this backend and arch computes it)."""
-        keys = candidate_keys(problem, registry.backend, registry.arch, [k.key for k in registry.kernels])
+        present = [k.key for k in registry.kernels]
+        # a candidate the registry holds already has refused the problem (td_can_run: alignment, sizes): the next
+        # best is built instead
+        keys = candidate_keys(problem, registry.backend, registry.arch, present, exclude=set(present))
         if not keys:
-            log.warning("no legal %s/%s kernel computes %s: nothing to build on demand", registry.backend, registry.arch,
-                        problem)
+            log.warning("no legal %s/%s kernel computes %s: nothing to build on demand", registry.backend,
+                        registry.arch, problem)
             return 0
         key = selection.learned(problem, [_Candidate(k) for k in keys])[0].key
         log.info("no kernel of the bundle runs %s; building %s on demand (jit)", problem, key.name)
@@ -84,10 +87,10 @@ class _Candidate:
         self.key, self.name = key, key.name
 
 
-def candidate_keys(problem, backend: str, arch: str, known: list[KernelKey]) -> list[KernelKey]:
-    """The legal keys for problem on backend/arch: the problem's signature with the algorithms that the known
-    keys and the preselected sets use for its op; those declared for the problem's own dtypes when there are
-    any (their tiles were chosen for them), else all."""
+def candidate_keys(problem, backend: str, arch: str, known: list[KernelKey], exclude=frozenset()) -> list[KernelKey]:
+    """The legal keys for problem on backend/arch, less those in exclude: the problem's signature with the
+    algorithms that the known keys and the preselected sets use for its op; those declared for the problem's own
+    dtypes when there are any (their tiles were chosen for them), else all."""
     signatures = _signatures(problem, backend)
     same_dtypes, other = {}, {}
     for source in [*known, *_preselected(backend, arch)]:
@@ -97,7 +100,8 @@ def candidate_keys(problem, backend: str, arch: str, known: list[KernelKey]) -> 
             continue
         for sig in signatures:
             key = KernelKey(sig, source.algorithm, backend, arch)
-            if key in same_dtypes or key in other or problem.mismatch(key) is not None or rules.check(key):
+            if key in same_dtypes or key in other or key in exclude or problem.mismatch(key) is not None \
+                    or rules.check(key):
                 continue
             dtypes = (s.dtype_a, s.dtype_b, s.dtype_c, s.dtype_acc)
             tier = same_dtypes if dtypes == (sig.dtype_a, sig.dtype_b, sig.dtype_c, sig.dtype_acc) else other
