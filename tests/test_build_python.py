@@ -359,3 +359,43 @@ def test_jit_chooses_legal_keys_with_the_problems_signature():
     assert keys and all(conv.mismatch(k) is None and not rules.check(k) for k in keys)
     assert {(k.signature.direction, k.signature.spatial_dims, k.signature.dtype_a) for k in keys} == \
         {("bwd_data", 2, "fp32")}
+
+
+@pytest.mark.gpu
+def test_build_and_jit_on_the_gpu(tmp_path):
+    """On a GPU machine, from a process where torch has initialised CUDA: td.build of a one-kernel cutlass set
+    declared in memory, then a problem with an epilogue that kernel lacks, built on demand (one nvcc compile
+    each; the first is skipped with $TD_CUTLASS_BUNDLE), run and checked against float64."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from tiledispatch import backends
+    from tiledispatch.generator import toolchains
+
+    try:
+        toolchains.get("cutlass").toolchain()
+    except RuntimeError as e:
+        pytest.skip(f"no cutlass toolchain: {e}")
+    arch = backends.get("cutlass").detect_arch()
+    a = (torch.rand((300, 256), device="cuda") * 2 - 1).half()  # CUDA is initialised before any build
+    b = (torch.rand((256, 192), device="cuda") * 2 - 1).half()  # row-major: rrr, with silu (not in the bundles)
+    bundle = os.environ.get("TD_CUTLASS_BUNDLE")
+    if not bundle:
+        config = ({"pipeline": "tma_ws_pingpong", "scheduler": "persistent", "tile": [64, 128, 64],
+                   "warps": [4, 1, 1], "mma": [64, 128, 16]} if arch == "sm90a" else
+                  {"pipeline": "multistage", "scheduler": "data_parallel", "tile": [128, 128, 32],
+                   "warps": [2, 2, 1], "mma": [16, 8, 16]})
+        decl = {"schema": 1, "name": "gpu_one", "groups": [
+            {"backend": "cutlass", "arch": arch, "op": "gemm", "dtype": "fp16", "layout": "rcr",
+             "epilogue": {"activation": "relu", "bias": True}, **config}]}
+        reg = td.build(decl, backend="cutlass", arch=arch, build_dir=tmp_path / "b", cache_dir=tmp_path / "cache")
+        bundle = tmp_path / "b" / "gpu_one"
+        assert len(reg) == 1
+    reg = td.load(bundle, jit={"build_dir": tmp_path / "jit", "cache_dir": tmp_path / "cache"})
+    before = len(reg)
+    out = torch.full((300, 192), float("nan"), device="cuda", dtype=torch.float16)
+    reg.gemm(a, b, out, activation="silu")
+    torch.cuda.synchronize()
+    ref = torch.nn.functional.silu(a.double() @ b.double())
+    assert len(reg) == before + 1 and "_rrr_silu_" in reg.kernels[-1].name
+    assert float(torch.linalg.norm(out.double() - ref) / torch.linalg.norm(ref)) < 1e-2
