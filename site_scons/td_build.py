@@ -6,7 +6,8 @@ Build identity (what makes a kernel rebuild) is exactly, derived per key by tile
            and its backend's module), and this action's code;
   compile: the rendered source, our headers it includes (the ABI header), the backend's toolchain module, the
            compile flags and the toolchain identity (compiler version, third-party header versions) through the
-           action's varlist.
+           action's varlist. The compiler launcher (launcher=ccache) is not part of it: it prefixes the compile
+           command outside the varlist, so kernels built with and without one are the same cache entries.
 Change any of them and exactly the affected kernels rebuild; change none and nothing does.
 
 The CacheDir holds compiled kernels only (rendering is cheap, so sources are rendered, never fetched), each
