@@ -6,7 +6,8 @@ Build identity (what makes a kernel rebuild) is exactly, derived per key by tile
            and its backend's module), and this action's code;
   compile: the rendered source, our headers it includes (the ABI header), the backend's toolchain module, the
            compile flags and the toolchain identity (compiler version, third-party header versions) through the
-           action's varlist.
+           action's varlist. The compiler launcher (launcher=ccache) is not part of it: it prefixes the compile
+           command outside the varlist, so kernels built with and without one are the same cache entries.
 Change any of them and exactly the affected kernels rebuild; change none and nothing does.
 
 The CacheDir holds compiled kernels only (rendering is cheap, so sources are rendered, never fetched), each
@@ -185,23 +186,48 @@ def _compile_action(target, source, env):
     backend = toolchains.check(key.backend) if env["TD_MODE"] == "check" else toolchains.get(key.backend)
     out = str(target[0])
     tmp = f"{out}.tmp{os.getpid()}{threading.get_ident()}"
+    launcher = list(env.get("TD_LAUNCHER") or [])  # not in the action's varlist: never part of the identity
     if env["TD_MODE"] == "check":
-        tc = backend.check_toolchain()
-        cmd = backend.check_command(key, tc, str(source[0]), tmp)
+        steps, intermediates = [(launcher + backend.check_command(key, backend.check_toolchain(), str(source[0]),
+                                                                  tmp), None)], []
     else:
-        tc = backend.toolchain()
-        cmd = backend.compile_command(key, tc, str(source[0]), tmp,
-                                      [str(d) for d in codegen.include_dirs(key, Path(env["TD_TEMPLATES_ROOT"]))])
+        steps, intermediates = compile_steps(
+            backend, key, backend.toolchain(), str(source[0]), tmp, launcher,
+            [str(d) for d in codegen.include_dirs(key, Path(env["TD_TEMPLATES_ROOT"]))])
     start = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    for cmd, cwd in steps:
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd)
+        if proc.returncode != 0:
+            shown = (f"(in {cwd}) " if cwd else "") + " ".join(cmd)
+            PROGRESS.record("FAILED", key.name, f"\n  declared in {env['TD_ORIGIN']}\n  command: {shown}\n"
+                            + _tail(proc.stdout + proc.stderr))
+            break
+    for path in intermediates:
+        _unlink(path)
     if proc.returncode != 0:
-        PROGRESS.record("FAILED", key.name, f"\n  declared in {env['TD_ORIGIN']}\n  command: {' '.join(cmd)}\n"
-                      + _tail(proc.stdout + proc.stderr))
         _unlink(tmp)
         return 1
     os.replace(tmp, out)  # publish whole files only
     PROGRESS.record("checked" if env["TD_MODE"] == "check" else "compiled", key.name, f" ({time.time() - start:.1f} s)")
     return 0
+
+
+def compile_steps(backend, key, tc, source: str, output: str, launcher: list[str], include_dirs: list[str]):
+    """([(command, working directory or None for this process's)], [intermediate files to remove]): the
+    commands that make the kernel library from its rendered source. The launcher (ccache, sccache, distcc;
+    may be empty) prefixes the compile.
+
+    A toolchain with object_command and link_command compiles an object in the source's directory with
+    relative file names, then links it without the launcher: compiler caches cache compiles, never links, and
+    a compile command that names no build directory hits their cache from any build directory."""
+    if toolchains.missing(backend, toolchains.LINK_API):
+        return [(launcher + backend.compile_command(key, tc, source, output, include_dirs), None)], []
+    src_dir = os.path.dirname(os.path.abspath(source))
+    obj = f"{os.path.basename(output)}.o"  # next to the source: a relative name; unique per worker like output
+    obj_path = os.path.join(src_dir, obj)
+    return [(launcher + backend.object_command(key, tc, os.path.basename(source), obj, include_dirs),
+             src_dir),
+            (backend.link_command(key, tc, obj_path, output), None)], [obj_path]
 
 
 def _install_action(target, source, env):

@@ -24,3 +24,13 @@ class UnsupportedProblemError(TileDispatchError):
 
 class KernelRuntimeError(TileDispatchError, RuntimeError):
     """A kernel launch failed on the device."""
+
+
+class BuildError(TileDispatchError, RuntimeError):
+    """Building kernels failed (tiledispatch.build, on-demand kernels): failures maps each kernel that did not
+    compile to its compiler output; a build that failed before compiling (no toolchain, an unusable cache) has
+    none and says why."""
+
+    def __init__(self, message: str, failures: dict | None = None):
+        super().__init__(message)
+        self.failures = dict(failures or {})

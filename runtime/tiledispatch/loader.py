@@ -80,7 +80,7 @@ class LazyKernel(registry.Kernel):
 
 def load(source: Union[str, Path], *, backend: Optional[str] = None, arch: Optional[str] = None, trust=None,
          lazy: Optional[bool] = None, autotune: bool = False,
-         tuning_cache: Optional[tuning.TuningCache] = None) -> registry.Registry:
+         tuning_cache: Optional[tuning.TuningCache] = None, jit: Union[bool, dict] = False) -> registry.Registry:
     """Load kernels from `source`: a bundle directory, a pack file, or the name of a pack installed as a
     wheel (entry point group tiledispatch.packs).
 
@@ -90,7 +90,8 @@ def load(source: Union[str, Path], *, backend: Optional[str] = None, arch: Optio
     says what it took and skipped and why, `skipped` lists the rest.
     trust: an ed25519 public key (PEM file, PEM text, raw 32 bytes) the pack must be signed with.
     lazy: open each kernel library on first use (the default for packs; lazy=False opens all of them now);
-    directories open every kernel up front, as before, unless lazy=True. autotune, tuning_cache: see Registry."""
+    directories open every kernel up front, as before, unless lazy=True. autotune, tuning_cache: see Registry.
+    jit: build on demand the kernels a problem or a kernel name needs that the bundle lacks (registry.load)."""
     path = Path(source)
     if path.is_dir():
         if trust is not None:
@@ -106,9 +107,10 @@ def load(source: Union[str, Path], *, backend: Optional[str] = None, arch: Optio
             reg = registry.Registry(kernels, manifest["backend"], manifest["arch"], manifest, autotune=autotune,
                                     tuning_cache=tuning_cache)
         else:
-            reg = registry.load(path, autotune=autotune, tuning_cache=tuning_cache)
+            reg = registry.load(path, autotune=autotune, tuning_cache=tuning_cache)  # (jit is set below)
         reg.source, reg.skipped = path, []
         reg.summary = f"{path}: using {reg.backend}/{reg.arch} ({len(reg)} kernels)"
+        reg.jit = registry.on_demand(jit)
         return reg
     if not path.exists():
         text = os.fspath(source)
@@ -121,6 +123,7 @@ def load(source: Union[str, Path], *, backend: Optional[str] = None, arch: Optio
     if lazy is False:  # every kernel opened (and so checked) now
         for kern in reg.kernels:
             kern.library
+    reg.jit = registry.on_demand(jit)
     return reg
 
 

@@ -6,6 +6,7 @@ td_can_run accepts it, then ranks them. run() launches exactly one kernel, once.
 """
 from __future__ import annotations
 
+import importlib
 import threading
 from pathlib import Path
 from typing import Callable, Optional, Union
@@ -57,6 +58,8 @@ class Kernel:
 class Registry:
     """autotune: when a launch needs a kernel choice and no tuning record exists for it, time the best
     few candidates on the call's own data first (Registry.tune) and remember the winner."""
+
+    jit = None  # on-demand kernels, off by default: load(bundle, jit=True) (tiledispatch.generator.jit)
 
     def __init__(self, kernels: list[Kernel], backend: str, arch: str, manifest: Optional[dict] = None, *,
                  autotune: bool = False, tuning_cache: Optional[tuning.TuningCache] = None):
@@ -125,6 +128,8 @@ class Registry:
         for k in self.kernels:
             if k.name == name:
                 return k
+        if self.jit is not None:
+            return self.jit.add_named(self, name)
         raise UnsupportedProblemError(f"no kernel named {name} in this registry")
 
     # -- matching ---------------------------------------------------------------------------------
@@ -187,6 +192,9 @@ class Registry:
     def _fits(self, problem, operands) -> list[Kernel]:
         explained = self.explain(problem, operands)
         fits = [k for k, reason in explained if reason is None]
+        if not fits and self.jit is not None and self.jit.add_for(self, problem):
+            explained = self.explain(problem, operands)
+            fits = [k for k, reason in explained if reason is None]
         if not fits:
             raise UnsupportedProblemError(_no_kernel_message(problem, explained))
         return fits
@@ -415,10 +423,11 @@ def _no_kernel_message(problem, explained) -> str:
 
 
 def load(bundle_dir: Union[str, Path], *, autotune: bool = False,
-         tuning_cache: Optional[tuning.TuningCache] = None) -> Registry:
+         tuning_cache: Optional[tuning.TuningCache] = None, jit: Union[bool, dict] = False) -> Registry:
     """Load a bundle; autotune: see Registry; tuning_cache: where tuning records live (default:
-    tuning.default_path()). Checked in this order (README, "Trust model"): the manifest's structure, then
-    per kernel: its path confined to the bundle, its bytes read once, their sha256 and their static embedded
+    tuning.default_path()); jit: True (or a dict of tiledispatch.build options) builds the kernels a problem or a
+    kernel name needs that the bundle lacks (tiledispatch.generator.jit), off by default. Checked in this order
+    (README, "Trust model"): the manifest's structure, then per kernel: its path confined to the bundle, its bytes read once, their sha256 and their static embedded
     key, and only then dlopen of a sealed copy of those bytes, its ABI version and its td_kernel_key()."""
     manifest = bundle.read_manifest(bundle_dir)
     kernels = []
@@ -431,5 +440,20 @@ def load(bundle_dir: Union[str, Path], *, autotune: bool = False,
         kernels.append(Kernel(e["_key"], e["_path"], e.get("origin", ""), library))
     if not kernels:
         raise BundleError(f"{bundle_dir}: the bundle has no kernels")
-    return Registry(kernels, manifest["backend"], manifest["arch"], manifest, autotune=autotune,
-                    tuning_cache=tuning_cache)
+    registry = Registry(kernels, manifest["backend"], manifest["arch"], manifest, autotune=autotune,
+                        tuning_cache=tuning_cache)
+    registry.jit = on_demand(jit)
+    return registry
+
+
+def on_demand(option):
+    """load()'s jit option as the generator's on-demand builder, or None when off. The generator (the `build`
+    extra) is imported only when asked for: the runtime runs without it."""
+    if option is False or option is None:
+        return None
+    try:
+        jit = importlib.import_module("tiledispatch.generator.jit")
+    except ImportError as e:
+        raise InvalidInputError(f"jit needs the generator and its dependencies (pip install 'tiledispatch[build]'): "
+                                f"{e}") from None
+    return jit.on_demand(option)

@@ -38,6 +38,16 @@ def compile_command(key, tc: Toolchain, source: str, output: str, include_dirs) 
     return [tc.compiler, *compile_flags(key, tc), *incs, source, "-o", output]
 
 
+def object_command(key, tc: Toolchain, source: str, output: str, include_dirs) -> list[str]:
+    """Compile only (the step a compiler launcher such as ccache can cache); link_command makes the library."""
+    incs = [f"-I{d}" for d in include_dirs]
+    return [tc.compiler, *(f for f in compile_flags(key, tc) if f != "-shared"), *incs, "-c", source, "-o", output]
+
+
+def link_command(key, tc: Toolchain, obj: str, output: str) -> list[str]:
+    return [tc.compiler, *compile_flags(key, tc), obj, "-o", output]
+
+
 def available() -> tuple[bool, str]:
     if shutil.which(_cxx()) is None:
         return False, f"no C++ compiler ({_cxx()}) on PATH"

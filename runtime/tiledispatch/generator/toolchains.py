@@ -10,6 +10,10 @@ next to its templates; the runtime never imports it. It provides TOOLCHAIN_API:
   compile_command(key, tc, source, output, include_dirs) -> [str]
   available() -> (bool, str)    toolchain present (detection), for backend=auto, with the reason
 
+optionally LINK_API: object_command(key, tc, source, output, include_dirs) (compile only) and
+link_command(key, tc, object, output); with both, the build compiles and links in two steps, so that a compiler
+launcher (scons launcher=ccache) runs on the compile, the step compiler caches can cache;
+
 and, where the backend has a compile-check mode (scons check=1), CHECK_API: check_toolchain() and
 check_command(key, tc, source, output). get() checks the module when it is first loaded and names what is missing
 in one line; check() names a backend without a check mode in one line.
@@ -26,6 +30,7 @@ from .. import backends
 
 TOOLCHAIN_API = ("SOURCE_SUFFIX", "JOB_MEMORY_BYTES", "toolchain", "compile_flags", "compile_command", "available")
 CHECK_API = ("check_toolchain", "check_command")
+LINK_API = ("object_command", "link_command")
 
 
 @dataclass(frozen=True)
