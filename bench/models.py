@@ -177,19 +177,25 @@ def _side_stream():
     return _SIDE[0]
 
 
-def runner(step, device: str, graph: bool, warmup: int):
+def runner(step, device: str, graph: bool, warmup: int, params=()):
     """A no-argument function running step once: as called, or replaying its CUDA graph (captured on the stream
-    it was warmed up on, so that tiledispatch's per-stream plans and workspaces are the captured ones)."""
+    it was warmed up on, so that tiledispatch's per-stream plans and workspaces are the captured ones).
+    params: the model's parameters, whose gradients a graph must allocate itself (a gradient made on another
+    stream before the capture is accumulated into across streams, which the capture refuses)."""
     if not graph:
         for _ in range(warmup):
             step()
         return step
+    for p in params:
+        p.grad = None
     side = _side_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(warmup):
             step()
     torch.cuda.current_stream().wait_stream(side)
+    for p in params:
+        p.grad = None
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, stream=side):
         step()
@@ -286,7 +292,7 @@ def run_case(case: str, a, reg, vision, timer: Timer) -> dict:
             try:
                 box = []
                 step = make_step(model, x, gout, training, box)
-                run = runner(step, device, graph, warmup=a.warmup)
+                run = runner(step, device, graph, warmup=a.warmup, params=list(model.parameters()))
                 zero_grads(model)
                 run()
                 state = snapshot(model, box, training)
