@@ -82,6 +82,26 @@ def test_low_alignment_kernels_rank_after_the_16_byte_kernels(name, dt, arch):
         assert False in flags and flags == sorted(flags), (m, n, k, [x.name for x in ranked])
 
 
+@pytest.mark.parametrize("dt", ["fp16", "bf16"])
+def test_learned_ranker_puts_the_fallbacks_last(dt):
+    """The shipped sm90a GEMM model was trained on the TMA kernels only (its applies_to): it orders those, and the
+    low-alignment fallbacks follow in analytic order."""
+    from tiledispatch import learned
+
+    keys = _kernels(f"{dt}_rcr_essential", "cutlass/sm90a")
+    for m, n, k in ((4096, 4096, 4096), (128, 11008, 4096), (777, 1232, 4320)):
+        p = GemmProblem(m, n, k, dt, dt, dt, "rcr")
+        kernels = [_Kern(x) for x in _admitting(keys, p)]
+        ranked = selection.learned(p, kernels)
+        flags = [low_alignment(x.key) for x in ranked]
+        assert False in flags and True in flags and flags == sorted(flags), [x.name for x in ranked]
+        main = [x for x in kernels if not low_alignment(x.key)]
+        assert [x.name for x in ranked[:len(main)]] == [x.name for x in learned.rank(p, main)]
+    odd = GemmProblem(777, 1234, 4320, dt, dt, dt, "rcr")  # only the fallbacks run it: analytic order
+    kernels = [_Kern(x) for x in _admitting(keys, odd)]
+    assert [x.name for x in selection.learned(odd, kernels)] == [x.name for x in selection.analytic(odd, kernels)]
+
+
 def test_wider_accesses_rank_first_among_the_fallbacks():
     keys = [k for k in _kernels("fp16_rcr_essential", "cutlass/sm90a") if low_alignment(k)]
     ranked = selection.analytic(GemmProblem(1000, 1000, 1000, "fp16", "fp16", "fp16", "rcr"), [_Kern(k) for k in keys])
