@@ -79,8 +79,9 @@ def test_generic_kernel_validates(build, direction, rank):
     lib = build(key)
     rng = np.random.default_rng(17 + rank)
     failures = []
-    for (g, cg, kg), geometry in zip(GENERIC_KINDS * 2, list(ce.GEOMETRIES) * 4):
-        stride, dilation, pad_lo, pad_hi = (v[-rank:] for v in ce.GEOMETRIES[geometry])
+    geometries = {**ce.GEOMETRIES, **(ce.MIXED_GEOMETRIES if rank == 2 else {})}
+    for (g, cg, kg), geometry in zip(GENERIC_KINDS * 2, list(geometries) * 4):
+        stride, dilation, pad_lo, pad_hi = (v[-rank:] for v in geometries[geometry])
         n, size, filt = SIZES[rank]
         p = conv.ConvProblem(direction, n, g, g * cg, g * kg, size, filt, stride, dilation, pad_lo, pad_hi,
                              "fp16", "fp16", "fp16")
@@ -94,10 +95,13 @@ def test_generic_kernel_validates(build, direction, rank):
 
 
 @pytest.mark.parametrize("label,problem", [
-    ("stem-like bwd_data", conv.ConvProblem("bwd_data", 1, 1, 3, 16, (21, 22), (7, 7), (2, 2), (1, 1), (3, 3), (3, 3),
+    # large enough that most 128-pixel tiles lie inside one stride phase (their other phases' taps skipped)
+    ("stem-like bwd_data", conv.ConvProblem("bwd_data", 1, 1, 3, 16, (40, 41), (7, 7), (2, 2), (1, 1), (3, 3), (3, 3),
                                             "fp16", "fp16", "fp16")),
-    ("audio-like bwd_data", conv.ConvProblem("bwd_data", 2, 1, 1, 24, (203,), (10,), (5,), (1,), (0,), (0,),
+    ("audio-like bwd_data", conv.ConvProblem("bwd_data", 2, 1, 1, 24, (1003,), (10,), (5,), (1,), (0,), (0,),
                                              "fp16", "fp16", "fp16")),
+    ("3D mixed strides bwd_data", conv.ConvProblem("bwd_data", 1, 1, 5, 9, (6, 20, 21), (3, 3, 3), (1, 2, 3), (2, 1, 1),
+                                                   (1, 1, 0), (2, 0, 1), "fp16", "fp16", "fp16")),
     ("audio-like fwd", conv.ConvProblem("fwd", 2, 1, 1, 24, (203,), (10,), (5,), (1,), (0,), (0,),
                                         "fp16", "fp16", "fp16")),
 ])
