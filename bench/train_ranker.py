@@ -158,7 +158,9 @@ def main() -> int:
     # fp16 and bf16 share the tensor-core rate and element size on sm90, so one model serves both
     applies_to = {"backend": keys[0].backend, "arch": keys[0].arch, "op": "gemm",
                   "dtypes": sorted({data["dtype"], "bf16"} if data["dtype"] in ("fp16", "bf16") else {data["dtype"]}),
-                  "layouts": [data["layout"]]}
+                  "layouts": [data["layout"]],
+                  # the pipelines it saw: kernels of others (the low-alignment fallbacks) rank after its own
+                  "algorithm": {"pipeline": sorted({k.algorithm.pipeline for k in keys})}}
     model = to_model(booster, applies_to, trained)
     check = learned.Model(model).trees.predict(shapes[0]["x"])  # the numpy evaluator agrees with LightGBM
     if not np.allclose(check, booster.predict(shapes[0]["x"]), rtol=1e-9, atol=1e-9):

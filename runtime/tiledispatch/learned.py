@@ -139,6 +139,18 @@ def model_for(backend: str, arch: str, op: str) -> Optional[Model]:
     return Model(json.loads(path.read_text()), str(path))
 
 
+def split(problem, kernels) -> tuple[list, list]:
+    """(the kernels a shipped model covers, the others)."""
+    if not kernels:
+        return [], []
+    first = kernels[0].key
+    model = model_for(first.backend, first.arch, first.signature.op)
+    if model is None:
+        return [], list(kernels)
+    covered = [kern for kern in kernels if model.applies(problem, kern.key)]
+    return covered, [kern for kern in kernels if not model.applies(problem, kern.key)]
+
+
 def rank(problem, kernels) -> Optional[list]:
     """Kernels sorted by the model's prediction, or None when no model covers every kernel (mixing
     predictions with another ranker's estimates would compare unlike numbers)."""

@@ -58,10 +58,15 @@ def gemm_view(problem, key) -> tuple[int, int, int, int]:
 
 
 def learned(problem, kernels) -> list:
+    """The shipped model's order where one covers the kernels, else analytic. Kernels outside the model's domain
+    (its applies_to, e.g. the low-alignment fallbacks it was never trained on: DESIGN.md invariant 10) rank after
+    the ones it covers, in analytic order; with none covered, analytic orders all."""
     from . import learned as learned_models
 
-    ranked = learned_models.rank(problem, list(kernels))
-    return ranked if ranked is not None else analytic(problem, kernels)
+    kernels = list(kernels)
+    covered, rest = learned_models.split(problem, kernels)
+    ranked = learned_models.rank(problem, covered) if covered else None
+    return ranked + analytic(problem, rest) if ranked is not None else analytic(problem, kernels)
 
 
 RANKERS = {"first_fit": first_fit, "analytic": analytic, "learned": learned}

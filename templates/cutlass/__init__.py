@@ -47,6 +47,7 @@ BACKEND = register(
     # extra key fields (cutlass.<name>); what each means: the module of the family that reads it
     extras={
         "fp8_fast_accum": {"type": "bool", "default": False},  # gemm_sm90
+        "align": {"type": "int", "default": 0},                # gemm_sm80 (low-alignment kernels, also on sm90a)
         "cpg": {"type": "int", "default": 0},                  # conv_direct
         "kpg": {"type": "int", "default": 0},                  # conv_direct
         "fx": {"type": "int", "default": 0},                   # conv_direct

@@ -32,6 +32,7 @@ def gemm_context(key) -> dict:
         "layout_tag": {role: LAYOUT[getattr(sig, f"layout_{role}")] for role in ("a", "b", "c")},
         # elements per 16-byte access: TMA and cp.async need 16-byte aligned rows and pointers
         "align": {role: 16 // dtype(getattr(sig, f"dtype_{role}")).itemsize for role in ("a", "b", "c")},
+        "size": {role: dtype(getattr(sig, f"dtype_{role}")).itemsize for role in ("a", "b", "c")},
         # the epilogue computes in double for int32 output so results stay exact past 2^24
         "compute": "double" if int_out else "float",
         "int_out": int_out,
@@ -48,3 +49,26 @@ def conv_context(key) -> dict:
         "smem_limit": arch(key)["smem_bytes"],
         "direction": sig.direction,
     }
+
+
+def gemm_alignment_refusal(problem, key, access: dict, ld=None):
+    """The alignment checks of _common.j2's check() for a GEMM whose A, B and C / D are read / written in accesses
+    of access[role] elements: each operand's contiguous extent, leading stride and batch stride must be multiples
+    of it. ld: leading strides in elements per role ("a", "b", "c"; missing ones dense). Why the kernel refuses the
+    problem, or None. (Pointers are taken as aligned to the access: a buffer's offset is the caller's.)"""
+    ld = ld or {}
+    layout = key.signature.layout
+    # (role, rows, cols, layout letter); C / D row-major on this backend
+    for role, rows, cols, letter in (("a", problem.m, problem.k, layout[0]), ("b", problem.k, problem.n, layout[1]),
+                                     ("c", problem.m, problem.n, "r")):
+        unit = access[role]
+        contiguous, other = (cols, rows) if letter == "r" else (rows, cols)
+        stride = ld.get(role, contiguous)
+        name = {"a": "A", "b": "B", "c": "D"}[role]
+        if contiguous % unit:
+            return f"{name}: contiguous extent {contiguous} is not a multiple of {unit} elements"
+        if other > 1 and stride % unit:
+            return f"{name}: leading stride {stride} is not a multiple of {unit} elements"
+        if problem.batch > 1 and (stride * other) % unit:
+            return f"{name}: batch stride {stride * other} is not a multiple of {unit} elements"
+    return None

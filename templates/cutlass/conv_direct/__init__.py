@@ -115,3 +115,80 @@ def problem_smem_bytes(problem, key) -> int:
         channels = max(1, lanes // kg) * cg  # the halo's channels: the groups of the block's lanes
         need = pixels * channels * 2 + th * tw * lanes * 2 + fy * fx * cg * lanes * 4
     return need
+
+
+def refusal(problem, key):
+    """Why the kernel's td_can_run refuses the problem (dense channels-last operands), None when it runs it: the
+    checks of its plan() (conv_direct.cu.j2, conv_direct_bwd_weight.cu.j2) in Python: the specialization (cpg /
+    kpg, fx / fy), direct_mma's unit-stride bwd_data, and whether the smallest shared-memory arrangement (one halo
+    plane, one buffer) fits next to the weights or sums. direct_mma's weight fragments are approximated by the
+    problem_smem_bytes model."""
+    sig, alg = key.signature, key.algorithm
+    s, itemsize = problem.spatial_dims, common.dtype(sig.dtype_a).itemsize
+    vec = 16 // itemsize
+    cg, kg = problem.c // problem.g, problem.k // problem.g
+    cpg, kpg, fx, fy = (common.extra(key, n) for n in ("cpg", "kpg", "fx", "fy"))
+    tc, wgrad, bwd = alg.pipeline == "direct_mma", sig.direction == "bwd_weight", sig.direction == "bwd_data"
+    pad3 = lambda t, one=1: (one,) * (3 - s) + tuple(t)  # noqa: E731  (D, H, W), missing dims of size 1
+    f, st, dil = pad3(problem.filter_size), pad3(problem.stride), pad3(problem.dilation)
+    if cpg and (cg != cpg or kg != kpg):
+        return f"specialized for C/G = {cpg} and K/G = {kpg}; the problem has C/G = {cg} and K/G = {kg}"
+    if fx and (f[2] != fx or f[1] != (fy or 1)):
+        return f"compiled for a {fy or 1} x {fx} filter; the problem's is {f[1]} x {f[2]}"
+    if tc and bwd and any(v != 1 for v in st):
+        return "direct_mma bwd_data runs unit stride only"
+    if common.extra(key, "rows") and (st[2] != 1 or (fx - 1) * dil[2] > 8):
+        return "the depthwise row form needs unit stride along W and (fx - 1) x dilation <= 8"
+    tw, bn, th = alg.tile
+    lg, rg = (cg, kg) if bwd else (kg, cg)
+    lanes, threads, limit = problem.g * lg, alg.warps[0] * alg.warps[1] * 32, common.arch(key)["smem_bytes"]
+    lg_ct, rg_ct = (cpg, kpg) if bwd else (kpg, cpg)
+    ngb_ct = 0 if not lg_ct else (bn // lg_ct if bn % lg_ct == 0 else (1 if lg_ct % bn == 0 else 0))
+    cbs_ct = -(-(ngb_ct * rg_ct) // vec) * vec if ngb_ct else 0
+    if cbs_ct:
+        cbs = cbs_ct
+    else:
+        ngb = min(bn // lg if bn % lg == 0 else (1 if lg % bn == 0 else bn // lg + 2), problem.g)
+        cbs = -(-(ngb * rg) // vec) * vec
+    pitch = (cbs if cbs % (2 * vec) else cbs + vec) if tc else cbs
+    tile = (1, th, tw)
+    if bwd:
+        ext = [((tile[e] - 1) + (f[e] - 1) * dil[e] + st[e] - 1) // st[e] + 1 for e in range(3)]
+    else:
+        ext = [(tile[e] - 1) * st[e] + (f[e] - 1) * dil[e] + 1 for e in range(3)]
+    taps = math.prod(f)
+    if wgrad:
+        dpitch = (bn if bn % (2 * vec) else bn + vec) if tc else bn
+        extra = taps * rg * bn * 4
+        fixed = _round16(th * tw * dpitch * itemsize)
+    else:
+        extra = f[0] * -(-(f[1] * f[2] * max(1, cpg // 8)) // 2) * (bn // 8) * 256 if tc else taps * rg * bn * 4
+        fixed = 0
+
+    def bytes_(hd):
+        return _round16(hd * ext[1] * ext[2] * pitch * itemsize) + fixed
+
+    blocks = 1 if common.extra(key, "occupancy") == 1 else 2
+    chosen = None
+    for plane in ((1,) if tc and wgrad else (0, 1)):
+        b = bytes_(1 if plane else ext[0])
+        for nbuf in (2, 1):
+            if chosen is None and nbuf * b + extra <= (limit // blocks if nbuf == 2 else limit):
+                chosen = f[0] if plane else 1  # zchunks
+    if chosen is None:
+        return (f"a halo plane ({ext[1]} x {ext[2]} pixels x {cbs} channels) and {'the sums' if wgrad else 'the weights'}"
+                f" need {bytes_(1) + extra} bytes of shared memory, more than the {limit} of {key.arch}")
+    if -(-lanes // bn) > 65535:
+        return "too many lane blocks"
+    if wgrad and not tc:
+        nfx = -(-f[2] // alg.mma[0])
+        items = (bn // alg.mma[1]) * (1 if chosen > 1 else f[0]) * f[1] * nfx * (1 if rg_ct else rg)
+        if items > threads and rg_ct:
+            return f"{items} work items exceed the block's {threads} threads"
+        if items > 64 * threads:
+            return f"{items} work items exceed 64 passes of the block's {threads} threads"
+    return None
+
+
+def _round16(n: int) -> int:
+    return -(-n // 16) * 16

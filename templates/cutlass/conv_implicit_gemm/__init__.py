@@ -3,7 +3,13 @@ implicit GEMM per group (mma.sync m16n8k16, ldmatrix, cp.async multistage), its 
 per 16-byte chunk (no im2col buffer). tile [m, n, k] of the GEMM the direction performs (fwd: pixels x K/G x
 taps*C/G; bwd_data: input pixels x C/G x taps*K/G; bwd_weight: K/G x taps*C/G x pixels, split over the pixels at
 run time into an fp32 workspace); warps [m, n, 1]; C/G and K/G must be multiples of 8. Scheduler data_parallel,
-split_k 1, cluster [1, 1, 1]."""
+split_k 1, cluster [1, 1, 1].
+
+Extra cutlass.align 1: the generic kernel (DESIGN.md invariant 10): any channel count, pointer and stride. The
+reduction's channels per group are padded to chunks of 8 (zeros past the group's end), chunks are loaded element by
+element (no cp.async) and outputs stored element by element; the ranker puts it last (cost_factor). Its strided
+bwd_data walks the input pixels phase by phase (stride phases): a tile inside one phase skips the taps that reach
+none of its pixels (3 of 4 at stride 2 in 2D, 4 of 5 at stride 5 in 1D)."""
 import math
 
 from .. import common
@@ -23,7 +29,19 @@ def templates(key) -> list[str]:
 def context(key) -> dict:
     alg = key.algorithm
     return {**common.conv_context(key), "threads": alg.warps[0] * alg.warps[1] * 32,
-            "stages": alg.stages or DEFAULT_STAGES, "mma_type": common.MMA_TYPE[key.signature.dtype_a], "rows": 0}
+            "stages": alg.stages or DEFAULT_STAGES, "mma_type": common.MMA_TYPE[key.signature.dtype_a], "rows": 0,
+            "generic": generic(key)}
+
+
+def generic(key) -> bool:
+    """The any-channel-count kernel (cutlass.align 1)."""
+    return common.extra(key, "align") == 1
+
+
+def cost_factor(key) -> float:
+    """The generic kernel is the fallback for what no other kernel runs: synchronous element-wise loads, the
+    reduction padded to chunks of 8 channels: x8, after every other conv kernel of the set."""
+    return 8.0 if generic(key) else 1.0
 
 
 def runtime_split(key, output_tiles: int, k: int, units: int) -> int:
@@ -42,3 +60,27 @@ def smem_bytes(key) -> int:
     padded by 8 elements (16 bytes), in fp16 / bf16; stages 0 counts the default 3."""
     tm, tn, tk = key.algorithm.tile
     return (key.algorithm.stages or 3) * ((tm + 8) * (tk + 8) + (tn + 8) * (tk + 8)) * 2
+
+
+def refusal(problem, key):
+    """Why the kernel's td_can_run refuses the problem (dense channels-last operands), None when it runs it:
+    conv_igemm.cu.j2's check_chunks (8-channel chunks) and its 32-bit GEMM and tile-count bounds."""
+    cg, kg = problem.c // problem.g, problem.k // problem.g
+    if generic(key):  # the reduction walks C/G (fwd, bwd_weight) or K/G (bwd_data) in whole chunks of 8
+        cg, kg = -(-cg // 8) * 8, -(-kg // 8) * 8
+    elif cg % 8 or kg % 8:
+        return f"implicit_gemm moves 8 channels at a time: C/G ({cg}) and K/G ({kg}) must be multiples of 8"
+    m, n, k, _ = problem.gemm_shape()
+    taps = math.prod(problem.filter_size)
+    if problem.direction == "fwd":
+        k = taps * cg
+    elif problem.direction == "bwd_data":
+        k = taps * kg
+    else:
+        n = taps * cg
+    if max(m, n, k) >= 2 ** 31 - 1:
+        return f"GEMM {m} x {n} x {k} exceeds 32-bit indexing"
+    tm, tn, _ = key.algorithm.tile
+    if math.ceil(n / tn) > 65535 or math.ceil(m / tm) * problem.g >= 2 ** 31 - 1:
+        return "too many tiles"
+    return None

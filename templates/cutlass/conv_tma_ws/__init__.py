@@ -145,3 +145,29 @@ def partials_split(key, tiles: int, ktiles: int, partial_elems: int, epilogue_kt
             best, best_cost = s, cost
     waves = math.ceil(tiles * best / slots)
     return best, best_cost + (waves - 1) * (math.ceil(ktiles / best) + epilogue_ktiles)
+
+
+def refusal(problem, key):
+    """Why the kernel's td_can_run refuses the problem (dense channels-last operands), None when it runs it:
+    conv_sm90.cu.j2's checks (groups, 16-byte channel rows, unit-stride bwd_data, the TMA im2col limits)."""
+    s, align = problem.spatial_dims, 16 // common.dtype(key.signature.dtype_a).itemsize
+    if problem.g != 1:
+        return f"CUTLASS SM90 conv handles groups = 1 (got G = {problem.g})"
+    if problem.c % align or problem.k % align:
+        return f"tma_ws_conv moves channels in 16-byte TMA rows: C ({problem.c}) and K ({problem.k}) must be multiples of {align}"
+    if problem.direction == "bwd_data" and any(v != 1 for v in problem.stride):
+        return "CUTLASS SM90 bwd_data (dgrad) runs unit stride only"
+    pad_limit = {1: 65536, 2: 256, 3: 16}[s]
+    corner, offset = 1 << (16 // s - 1), (1 << (16 // s)) - 1
+    out = problem.out_size
+    for d in range(s):
+        lo, hi, span = problem.pad_lo[d], problem.pad_hi[d], (problem.filter_size[d] - 1) * problem.dilation[d]
+        if lo > pad_limit or hi > pad_limit:
+            return f"TMA im2col pads at most {pad_limit} per side in {s}D"
+        if span >= offset:
+            return f"TMA im2col: dilated filter extent {span} must be below {offset} in {s}D"
+        lower = lo - span if problem.direction == "bwd_data" else -lo
+        upper = lo - span + problem.in_size[d] - out[d] if problem.direction == "bwd_data" else hi - span
+        if not (-corner <= lower <= corner - 1 and -corner <= upper <= corner - 1):
+            return f"TMA im2col box corners {lower} / {upper} outside [{-corner}, {corner - 1}] in {s}D"
+    return None

@@ -18,7 +18,8 @@ _TILE_SCHEDULER = {"persistent": "cutlass::gemm::PersistentScheduler", "stream_k
 
 
 def claims(key) -> bool:
-    return key.signature.op == "gemm" and key.arch == "sm90a"
+    # multistage kernels built for sm90a (the low-alignment fallbacks) are gemm_sm80's
+    return key.signature.op == "gemm" and key.arch == "sm90a" and key.algorithm.pipeline != "multistage"
 
 
 def templates(key) -> list[str]:
@@ -56,3 +57,11 @@ def smem_bytes(key) -> int:
     a, b, c = (dtype(d).itemsize for d in (sig.dtype_a, sig.dtype_b, sig.dtype_c))
     rows = 128 if alg.pipeline == "tma_ws_cooperative" else 64
     return (alg.stages or 2) * (tm * a + tn * b) * tk + 4 * min(tm, rows) * min(tn, 32) * c + tn * c + 2048
+
+
+def refusal(problem, key, ld=None):
+    """Why the kernel's td_can_run refuses the problem, None when it runs it (_common.j2's alignment checks: TMA
+    reads and writes 16-byte aligned rows of every operand); ld as in common.gemm_alignment_refusal."""
+    sig = key.signature
+    access = {role: 16 // dtype(getattr(sig, f"dtype_{role}")).itemsize for role in ("a", "b", "c")}
+    return common.gemm_alignment_refusal(problem, key, access, ld)
