@@ -60,7 +60,9 @@ def build(key: KernelKey, out_dir: Path, smem_limit: int | None = None) -> abi.K
     path.write_text(src)
     lib = out_dir / f"{key.name}{suffix}.so"
     cmd = ["g++", "-std=c++20", "-O1", "-DTD_EMULATE", "-include", "td_emulate.h", f"-I{HERE / 'emulate'}",
-           *(f"-I{d}" for d in codegen.include_dirs(key)), f"-I{cuda_include()}", "-w", "-shared", "-fPIC", "-pthread", str(path), "-o", str(lib)]
+           *(f"-I{d}" for d in codegen.include_dirs(key)), f"-I{cuda_include()}", "-w", "-shared", "-fPIC", "-pthread",
+           "-Wl,-Bsymbolic",  # the emulated CUDA API binds here, not to a real libcudart loaded in the process
+           str(path), "-o", str(lib)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"g++ failed for {key.name}:\n{proc.stderr[-6000:]}")

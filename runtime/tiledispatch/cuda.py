@@ -110,7 +110,9 @@ def runtime() -> ctypes.CDLL:
                 errors = []
                 for path in _candidates():
                     try:
-                        lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+                        # local: kernels link cudart statically, and cudart's names in the global scope would
+                        # take the place of same-named functions in libraries loaded later
+                        lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
                         _declare(lib)
                     except (OSError, AttributeError) as e:
                         errors.append(f"{path}: {e}")
