@@ -118,7 +118,7 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
 def _registry_for(handle: int, t: torch.Tensor) -> Registry:
     """The registry that launches on t's device: on CUDA, the view of this (device, current stream)."""
     if not t.is_cuda:
-        return registry_of(handle)
+        return _REGISTRIES[handle] if type(handle) is int and 0 <= handle < len(_REGISTRIES) else registry_of(handle)
     index = t.get_device()
     key = (handle, index, _raw_stream(index))
     reg = _PER_STREAM.get(key)
@@ -271,7 +271,14 @@ def _is_channels_last(t: torch.Tensor) -> bool:
 
 def _channels_last(t: torch.Tensor) -> torch.Tensor:
     """t itself when its memory is channels-last, else a channels-last copy (same logical shape)."""
-    if _is_channels_last(t):
+    rank = t.dim()  # _is_channels_last's test, inlined for the common ranks (this runs on every call)
+    if rank == 4:
+        if t.is_contiguous(memory_format=torch.channels_last):
+            return t
+    elif rank == 5:
+        if t.is_contiguous(memory_format=torch.channels_last_3d):
+            return t
+    elif _is_channels_last(t):
         return t
     return t.movedim(1, -1).contiguous().movedim(-1, 1)
 
@@ -467,7 +474,7 @@ def _eager(a, b, c=None) -> bool:
 
 def _gemm(a, b, bias, residuals, activation: str, clamp_low: float, clamp_high: float, handle: int):
     """tiledispatch::gemm, directly where _eager allows."""
-    if _eager(a, b, bias) and all(type(r) in _PLAIN for r in residuals):
+    if _eager(a, b, bias) and (not residuals or all(type(r) in _PLAIN for r in residuals)):
         return _gemm_impl(a, b, bias, residuals, activation, clamp_low, clamp_high, handle)
     return _gemm_op(a, b, bias, list(residuals), activation, clamp_low, clamp_high, handle)
 
@@ -672,7 +679,7 @@ def conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
 
 
 def _check_conv_ranks(x, weight, rank: int) -> None:
-    if rank not in (1, 2, 3) or weight.dim() != x.dim():
+    if rank not in (1, 2, 3) or weight.dim() != rank + 2:
         raise InvalidInputError(f"conv takes x [N, C, spatial...] with 1-3 spatial dims and weight [K, C/G, "
                                 f"filter...] of the same rank; got {list(x.shape)} and {list(weight.shape)}")
 
@@ -779,7 +786,8 @@ def _patched_conv_forward(self, x):
         geo = _geometry(_per_dim("stride", self.stride, rank), _per_dim("dilation", self.dilation, rank),
                         state["pad_lo"], state["pad_hi"], _plain_int(self.groups))
         state["geometry"] = geo, source
-    _check_conv_ranks(x, weight, x.dim() - 2 if x.dim() == geo.rank + 2 else 0)
+    rank = x.dim() - 2
+    _check_conv_ranks(x, weight, rank if rank == geo.rank else 0)
     return _conv(x, weight, self.bias, geo.stride, geo.dilation, geo.pad_lo, geo.pad_hi, geo.groups,
                  state["handle"], geo)
 
