@@ -349,10 +349,10 @@ def test_eager_inference_calls_skip_the_dispatcher_and_allocate_once(reg):
     want_linear, want_conv = F.linear(x, w), F.conv2d(xc, wc, padding=1)
     # the most Python functions each path enters, the lambda and nn.Module's own __call__ frames included, and the
     # overlap check that runs when the new output's pointer differs from the last one's
-    calls = {"tdt.linear": (lambda: tdt.linear(x, w, registry=h), want_linear, 24),
-             "tdt.conv": (lambda: tdt.conv(xc, wc, registry=h, padding=1), want_conv, 33),
-             "patched nn.Linear": (lambda: linear(x), want_linear, 26),
-             "patched nn.Conv2d": (lambda: conv(xc), want_conv, 33)}
+    calls = {"tdt.linear": (lambda: tdt.linear(x, w, registry=h), want_linear, 21),
+             "tdt.conv": (lambda: tdt.conv(xc, wc, registry=h, padding=1), want_conv, 29),
+             "patched nn.Linear": (lambda: linear(x), want_linear, 22),
+             "patched nn.Conv2d": (lambda: conv(xc), want_conv, 30)}
     with torch.no_grad():
         for name, (call, want, most_frames) in calls.items():
             call()

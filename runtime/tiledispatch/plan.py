@@ -107,6 +107,9 @@ def _printer_for(cls) -> Callable[[Any], tuple[int, tuple]]:
 
 
 _PRINTERS: dict = {}
+# type -> its fingerprint function (None until fingerprint() met the type): the launch caches' callers call
+# `(printer_of_type(type(t)) or fingerprint)(t)`, one Python call per tensor instead of two
+printer_of_type = _PRINTERS.get
 
 
 def current_stream(obj: Any):
@@ -186,7 +189,8 @@ class Plan:
         prints: their fingerprints in td_args slot order, when the caller has them already."""
         if prints is None:
             try:
-                prints = [fingerprint(t) for t in self._ops.tensors_in_slot_order(tensors)]
+                prints = [(printer_of_type(type(t)) or fingerprint)(t)
+                          for t in self._ops.tensors_in_slot_order(tensors)]
             except Exception:
                 self._ops.operands_for(self.problem, tensors)  # the full checks say what is wrong
                 raise
@@ -240,6 +244,12 @@ class Plan:
         self._footprints(args, slots)
         self._grad_sensitive = any(getattr(v.obj, "requires_grad", False) for v in operands.all())
 
+    def pin_stream(self) -> None:
+        """Launch on the stream the plan was prepared on, without looking up the current one per launch: for the
+        launch caches' plans, whose keys hold the current stream (a cached plan is only found, and launched, while
+        that stream is current)."""
+        self._stream_of = None
+
     def set_scalars(self, alpha, beta) -> None:
         """Swap alpha and beta in the prepared arguments (checked as the first launch checks them). Whether
         beta is 0 must not change: it decides whether C is read, which the preparation checked."""
@@ -287,6 +297,7 @@ class Launcher:
     __slots__ = ("plan", "pick", "alpha", "beta")
 
     def __init__(self, plan: Plan, alpha, beta, pick: Optional[Callable[[tuple], tuple]] = None):
+        plan.pin_stream()
         self.plan, self.pick = plan, pick
         self.alpha, self.beta = alpha, beta  # the caller's objects, for an identity test on the next call
 

@@ -30,7 +30,7 @@ from ..errors import InvalidInputError, UnsupportedProblemError
 from ..spec.dtypes import DTYPES, dtype
 from ..spec.key import CONV_LAYOUTS, DIRECTIONS, Epilogue, KernelKey
 from .gemm import check_size, real_scalar
-from ..plan import Launcher, fingerprint, stream_now
+from ..plan import Launcher, fingerprint, printer_of_type, stream_now
 
 _thread_id = threading.get_ident
 
@@ -498,7 +498,9 @@ def run(registry, direction: str, x, w, y, written, options: dict, option_key=_D
     key = launcher = None
     if written is not None:  # the fast path, as Registry.gemm's: a launch prepared by an earlier call
         try:
-            fx, fw, fy = fingerprint(x), fingerprint(w), fingerprint(y)
+            fx = (printer_of_type(type(x)) or fingerprint)(x)
+            fw = (printer_of_type(type(w)) or fingerprint)(w)
+            fy = (printer_of_type(type(y)) or fingerprint)(y)
             beta = options.get("beta", 0.0)
             if option_key is _DERIVE:
                 option_key = options_key(options)
