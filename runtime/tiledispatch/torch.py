@@ -670,12 +670,14 @@ def conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     lo = _per_dim("pad_lo", pad_lo if pad_lo is not None else padding, rank)
     hi = _per_dim("pad_hi", pad_hi if pad_hi is not None else padding, rank)
     stride, dilation = _per_dim("stride", stride, rank), _per_dim("dilation", dilation, rank)
-    if type(groups) is not int:
-        try:
-            groups = _plain_int(groups)
-        except TypeError:
-            raise InvalidInputError(f"conv groups must be an int, got {groups!r}") from None
-    return _conv(x, weight, bias, stride, dilation, lo, hi, groups, handle)
+    return _conv(x, weight, bias, stride, dilation, lo, hi, groups if type(groups) is int else _groups(groups), handle)
+
+
+def _groups(value) -> int:
+    try:
+        return _plain_int(value)
+    except TypeError:
+        raise InvalidInputError(f"conv groups must be an int, got {value!r}") from None
 
 
 def _check_conv_ranks(x, weight, rank: int) -> None:
@@ -784,7 +786,8 @@ def _patched_conv_forward(self, x):
         rank = len(self.kernel_size)
         source = (self.stride, self.dilation, self.groups)
         geo = _geometry(_per_dim("stride", self.stride, rank), _per_dim("dilation", self.dilation, rank),
-                        state["pad_lo"], state["pad_hi"], _plain_int(self.groups))
+                        _per_dim("pad_lo", state["pad_lo"], rank), _per_dim("pad_hi", state["pad_hi"], rank),
+                        _groups(self.groups))
         state["geometry"] = geo, source
     rank = x.dim() - 2
     _check_conv_ranks(x, weight, rank if rank == geo.rank else 0)
