@@ -223,7 +223,9 @@ def _gemm_impl(a, b, bias, residuals, activation, clamp_low, clamp_high, registr
         _gemm_shape(a, b)
     route = _gemm_route(registry, a, b, activation, bias is not None, len(residuals))
     reg = _registry_for(registry, a) if a.is_cuda else _REGISTRIES[registry]
-    out = a.new_empty((*a.shape[:-1], b.shape[-1]), dtype=torch.int32 if a.dtype == torch.int8 else a.dtype)
+    sa = a.shape
+    shape = (sa[0], b.shape[-1]) if rank == 2 else (sa[0], sa[1], b.shape[-1])
+    out = a.new_empty(shape) if a.dtype is not torch.int8 else a.new_empty(shape, dtype=torch.int32)
     if route.copy_a:
         a = _to_major(a, route.copy_a)
     if route.copy_b:
