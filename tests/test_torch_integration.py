@@ -372,6 +372,9 @@ def test_eager_inference_calls_skip_the_dispatcher_and_allocate_once(reg):
         assert isinstance(fake, FakeTensor) and fake.shape == want_conv.shape and fake.stride() == want_conv.stride()
     meta = tdt.linear(x.to("meta"), w.to("meta"), registry=h)
     assert meta.is_meta and meta.shape == want_linear.shape
+    with torch.profiler.profile() as prof:  # a profile names the operators: they are dispatched while it runs
+        tdt.conv(xc, wc, registry=h, padding=1)
+    assert "tiledispatch::conv_fwd" in {e.name for e in prof.events()}
 
 
 class SmallNet(nn.Module):

@@ -22,7 +22,8 @@ current numbers): such an operator costs about 1.4 us above calling the Python f
 torch.library.custom_op about 7 us (Python layers of its own around the same kernel, with or without an
 autograd formula), and registering autograd on the operator (torch.library.register_autograd) adds about 3 us
 to every call, inference included. So the operators carry no autograd kernel and the differentiable
-functions use an autograd.Function only when a gradient is needed.
+functions use an autograd.Function only when a gradient is needed. Eager calls skip even the operator dispatch
+and run the implementation directly, unless something must see the operator (see "eager calls" below).
 
 Layouts: the bundle's conv kernels take channels-last memory with a group axis. A torch conv input
 [N, C, spatial...] whose memory is channels-last (torch.channels_last / channels_last_3d; for 1D, [N, W, C]
@@ -457,21 +458,23 @@ _conv_bwd_weight_op = _ops.conv_bwd_weight.default
 # where nothing needs to see the operator, the implementation is called directly. Everything else goes
 # through torch.ops: torch.compile / torch.export (their tracing runs the fake implementations), torch.jit
 # tracing, dispatch modes (FakeTensorMode, make_fx), torch function modes, functorch transforms, tensor
-# subclasses (fake tensors) and meta tensors.
+# subclasses (fake tensors), meta tensors, and a running torch.profiler (its trace then names the operators).
 _compiling = torch.compiler.is_compiling
+_profiling = getattr(getattr(torch._C, "_autograd", None), "_profiler_enabled", None)
 _tracing_state = getattr(torch._C, "_get_tracing_state", None)
 _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _function_modes = getattr(torch._C, "_is_torch_function_mode_enabled", None)
 _functorch_level = getattr(getattr(torch._C, "_functorch", None), "maybe_current_level", None)
 _PLAIN = frozenset((torch.Tensor, nn.Parameter))
-_DIRECT = None not in (_tracing_state, _dispatch_modes, _function_modes, _functorch_level)  # else: torch.ops always
+# without one of these functions (another torch), always torch.ops
+_DIRECT = None not in (_tracing_state, _dispatch_modes, _function_modes, _functorch_level, _profiling)
 
 
 def _eager(a, b, c=None) -> bool:
     """Whether an operator call on these tensors may run its implementation directly (see above)."""
     return (_DIRECT and not _compiling() and type(a) in _PLAIN and type(b) in _PLAIN
             and (c is None or type(c) in _PLAIN) and not a.is_meta and not _dispatch_modes() and not _function_modes()
-            and _tracing_state() is None and _functorch_level() is None)
+            and _tracing_state() is None and _functorch_level() is None and not _profiling())
 
 
 def _gemm(a, b, bias, residuals, activation: str, clamp_low: float, clamp_high: float, handle: int):
