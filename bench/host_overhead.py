@@ -17,6 +17,10 @@ Paths of each problem (those that apply):
   plan          reg.plan(problem) called with a dict of the tensors
   first_call    the public call on a problem never seen (every cache of the registry emptied before each
                 call): operand checks, candidate matching over the bundle, ranking, preparation
+  tdt_linear, tdt_conv   tiledispatch.torch.linear / conv (no grad needed: the eager inference path), on the
+                torch tensors (the weight of the GEMM as a Linear's [n, k]; conv forward problems only)
+  patched_linear, patched_conv   an nn.Linear / nn.ConvNd (no bias, parameters not requiring grad) routed through
+                the bundle by tiledispatch.torch.patch, called on the same input
   torch_*       PyTorch on the same tensors: torch.mm(out=) and F.linear; F.conv1d/2d/3d and
                 aten.convolution_backward (what autograd runs for the input / weight gradients), with
                 torch.backends.cudnn.benchmark on
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import re
@@ -39,15 +44,20 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-import torch.nn.functional as F
+# The cpu kernels' OpenMP pool, read when it starts: one thread, as torch.set_num_threads(1) and num_threads=1 give
+# the other paths; the tiledispatch.torch paths cannot pass num_threads (no effect on GPU kernels)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "runtime"))
 sys.path.insert(0, str(HERE))
 
 import tiledispatch as td  # noqa: E402
+import tiledispatch.torch as tdt  # noqa: E402
 from tiledispatch.ops import conv as conv_op  # noqa: E402
 from tiledispatch.ops import gemm as gemm_op  # noqa: E402
 
@@ -186,12 +196,17 @@ def gemm_paths(reg, tensors: Tensors, m: int, n: int, k: int, dtype: str, opts: 
     plan = reg.plan(problem, kernel=kernel, **opts)
     plan_tensors = {"a": a, "b": b, "out": d}
     b_t = bt_t.t()
+    linear = torch.nn.Linear(k, n, bias=False, device=a_t.device, dtype=a_t.dtype).requires_grad_(False)
+    linear.weight.copy_(bt_t)
+    tdt.patch(linear, reg)
     paths = {
         "raw_c_call": (raw, None),
         "default": (lambda: reg.gemm(a, b, out=d, **opts), None),
         "named_kernel": (lambda: reg.gemm(a, b, out=d, kernel=kernel, **opts), None),
         "plan": (lambda: plan(plan_tensors), None),
         "first_call": (lambda: reg.gemm(a, b, out=d, **opts), forget(reg)),
+        "tdt_linear": (lambda: tdt.linear(a_t, bt_t, registry=reg), None),
+        "patched_linear": (lambda: linear(a_t), None),
         "torch_mm_out": (lambda: torch.mm(a_t, b_t, out=d_t), None),
         "torch_linear": (lambda: F.linear(a_t, bt_t), None),
     }
@@ -239,6 +254,12 @@ def conv_paths(reg, tensors: Tensors, spec, dtype: str, opts: dict) -> tuple[dic
         "first_call": (lambda: call(**opts), forget(reg)),
     }
     if direction == "fwd":
+        layer = getattr(torch.nn, f"Conv{rank}d")(c, k, filt, stride=stride, padding=padding, groups=g, bias=False,
+                                                 device=x_t.device, dtype=x_t.dtype).requires_grad_(False)
+        layer.weight = torch.nn.Parameter(w_t, requires_grad=False)  # w_t's channels-last memory, used in place
+        tdt.patch(layer, reg)
+        paths["tdt_conv"] = (lambda: tdt.conv(x_t, w_t, registry=reg, stride=stride, padding=padding, groups=g), None)
+        paths["patched_conv"] = (lambda: layer(x_t), None)
         paths["torch_conv"] = (lambda: conv_nd(x_t, w_t, stride=stride, padding=padding, groups=g), None)
     else:
         mask = [direction == "bwd_data", direction == "bwd_weight", False]

@@ -368,8 +368,9 @@ def layer_gaps(model, reference, x, training: bool, device: str, timer: Timer) -
 # -- host overhead -------------------------------------------------------------------------------------------
 def host_overhead(reg, device: str, dtype: torch.dtype, rounds: int, calls: int = 200) -> dict:
     """Host time per call (median over rounds of `calls` back-to-back calls, the clock read when the last returns):
-    tiledispatch.torch's linear / conv against the registry call they wrap and against PyTorch, on small
-    problems whose kernels take less time than their host work on the GPU."""
+    tiledispatch.torch's linear / conv and patched nn.Linear / nn.Conv2d layers (inference: no grad needed) against
+    the registry call they wrap and against PyTorch's functions and layers, on small problems whose kernels take
+    less time than their host work on the GPU."""
     dev = torch.device(device)
     x, w = torch.randn(64, 256, device=dev).to(dtype), torch.randn(128, 256, device=dev).to(dtype)
     out = torch.empty(64, 128, device=dev, dtype=dtype)
@@ -377,13 +378,26 @@ def host_overhead(reg, device: str, dtype: torch.dtype, rounds: int, calls: int 
     wc = torch.randn(32, 32, 3, 3, device=dev).to(dtype).contiguous(memory_format=torch.channels_last)
     yc = torch.empty(8, 32, 14, 14, device=dev, dtype=dtype).contiguous(memory_format=torch.channels_last)
     handle = tdt.register(reg)
+    # layers without bias whose parameters need no grad (inference), one patched and one plain, same weights
+    linears = [nn.Linear(256, 128, bias=False, device=dev, dtype=dtype).requires_grad_(False) for _ in range(2)]
+    convs = [nn.Conv2d(32, 32, 3, padding=1, bias=False, device=dev, dtype=dtype).requires_grad_(False)
+             for _ in range(2)]
+    for lin, conv in zip(linears, convs):
+        lin.weight.copy_(w)
+        conv.weight = nn.Parameter(wc, requires_grad=False)  # channels-last, used in place
+    tdt.patch(linears[0], reg)
+    tdt.patch(convs[0], reg)
     paths = {
         "registry.gemm(out=)": lambda: reg.gemm(x, w.t(), out),
         "tiledispatch.torch.linear": lambda: tdt.linear(x, w, registry=handle),
+        "patched nn.Linear": lambda: linears[0](x),
         "torch.nn.functional.linear": lambda: F.linear(x, w),
+        "torch nn.Linear": lambda: linears[1](x),
         "registry.conv_fwd(out=)": lambda: reg.conv_fwd(xc, wc, yc, padding=1, groups=1),
         "tiledispatch.torch.conv": lambda: tdt.conv(xc, wc, registry=handle, padding=1),
+        "patched nn.Conv2d": lambda: convs[0](xc),
         "torch.nn.functional.conv2d": lambda: F.conv2d(xc, wc, padding=1),
+        "torch nn.Conv2d": lambda: convs[1](xc),
     }
     result = {}
     for name, fn in paths.items():

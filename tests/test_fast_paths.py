@@ -3,7 +3,9 @@ seen before neither selects a kernel nor runs the full operand checks again, swa
 beta), and stays right; a change of shape, strides, dtype or epilogue is checked and selected again; new
 pointers are checked for overlap and writability; the caches are bounded and emptied when the tuning record or
 autotune change. cpu backend, numpy arrays."""
+import collections
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -490,3 +492,43 @@ def test_torch_tensors_take_the_fast_path_and_their_states_are_told_apart(reg, c
     assert counts["conv_checks"] == checks
     with pytest.raises(td.InvalidInputError, match="negative or conjugate bit"):
         reg.conv_fwd(torch._neg_view(x2), w, y, **GEO)
+
+
+def profiled(fn) -> tuple[list, collections.Counter]:
+    """The Python functions a call enters and the C methods of torch tensors it calls (sys.setprofile: exact and
+    deterministic, unlike a wall clock). Attribute reads (shape, dtype, device...) are not seen."""
+    frames, methods = [], collections.Counter()
+
+    def profile(frame, event, arg):
+        if event == "call":
+            frames.append(f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_code.co_name}")
+        elif event == "c_call" and getattr(arg, "__qualname__", "").startswith(("Tensor.", "TensorBase.")):
+            methods[arg.__qualname__.split(".", 1)[1]] += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return frames, methods
+
+
+def test_cached_torch_calls_read_each_tensor_once(reg):
+    """The host cost of a cached call with torch tensors, counted rather than timed: each tensor's fingerprint
+    is one data_ptr(), stride() and is_neg() call, and the call runs a fixed handful of Python functions (the
+    entry point, a fingerprint per tensor, the cache lookup and the launch)."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(14)
+    a, bt = torch.from_numpy(rand(rng, (16, 24))), torch.from_numpy(rand(rng, (32, 24)))
+    out = torch.empty((16, 32))
+    x, w, dy = (torch.from_numpy(t) for t in conv_data(rng))
+    y = torch.empty(dy.shape)
+    calls = {"gemm": (lambda: reg.gemm(a, bt.T, out), 8),  # the lambda counted
+             "conv_fwd": (lambda: reg.conv_fwd(x, w, y, **GEO), 10)}
+    for name, (call, most_frames) in calls.items():
+        call()
+        call()
+        frames, methods = profiled(call)
+        assert methods == {"data_ptr": 3, "stride": 3, "is_neg": 3}, (name, methods)
+        assert len(frames) <= most_frames, (name, frames)
+        assert not any(f.startswith(("arrays.py", "gemm.py:operands", "conv.py:operands")) for f in frames), frames

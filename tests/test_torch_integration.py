@@ -260,14 +260,16 @@ def test_conv_half_precision(reg, dtype):
 
 def test_channels_last_tensors_are_used_in_place(reg, monkeypatch):
     """A channels-last input and weight reach the registry as the very same memory; an NCHW one is copied."""
+    from tiledispatch.ops import conv as conv_op
+
     seen = []
-    original = type(reg).conv_fwd
+    original = conv_op.run  # what reg.conv_fwd runs, and tiledispatch.torch directly
 
-    def spy(self, x, w, out=None, **options):
+    def spy(registry, direction, x, w, *rest, **kw):
         seen.append((x.data_ptr(), w.data_ptr()))
-        return original(self, x, w, out, **options)
+        return original(registry, direction, x, w, *rest, **kw)
 
-    monkeypatch.setattr(type(reg), "conv_fwd", spy)
+    monkeypatch.setattr(conv_op, "run", spy)
     x, w, b, geo, _ = conv_case("2d_grouped", channels_last=True)
     tdt.conv(x, w, registry=reg, padding=1, **geo)
     assert seen[-1] == (x.data_ptr(), w.data_ptr())
@@ -308,6 +310,73 @@ def test_fake_implementations_match_the_real_outputs(reg):
         assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype)
 
 
+def _profiled(fn) -> tuple[list, list]:
+    """The Python functions (file:name) a call enters and the torch tensor methods it calls, via sys.setprofile:
+    exact and deterministic, unlike a wall clock."""
+    frames, methods = [], []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            frames.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+        elif event == "c_call" and getattr(arg, "__qualname__", "").startswith(("Tensor.", "TensorBase.",
+                                                                               "Parameter.")):
+            methods.append(arg.__qualname__.split(".", 1)[1])
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return frames, methods
+
+
+def test_eager_inference_calls_skip_the_dispatcher_and_allocate_once(reg):
+    """Host cost guards of the eager inference path, counted rather than timed: tdt.linear / tdt.conv and patched
+    nn.Linear / nn.Conv2d layers (no grad needed, channels-last conv tensors, no bias) call the operator's
+    implementation directly (not through torch.ops), allocate the output with one call, fingerprint each tensor
+    the registry sees once, and run a bounded number of Python functions; fake and meta tensors still go through
+    the registered operators (their fake implementations)."""
+    h = tdt.register(reg)
+    x, w = rand(8, 16, seed=40), rand(24, 16, seed=41)
+    xc = rand(2, 8, 6, 6, seed=42).contiguous(memory_format=torch.channels_last)
+    wc = rand(8, 8, 3, 3, seed=43).contiguous(memory_format=torch.channels_last)
+    linear = nn.Linear(16, 24, bias=False).requires_grad_(False)
+    conv = nn.Conv2d(8, 8, 3, padding=1, bias=False).requires_grad_(False)
+    linear.weight.copy_(w)
+    conv.weight = nn.Parameter(wc, requires_grad=False)
+    tdt.patch(linear, reg)
+    tdt.patch(conv, reg)
+    want_linear, want_conv = F.linear(x, w), F.conv2d(xc, wc, padding=1)
+    # the most Python functions each path enters, the lambda and nn.Module's own __call__ frames included, and the
+    # overlap check that runs when the new output's pointer differs from the last one's
+    calls = {"tdt.linear": (lambda: tdt.linear(x, w, registry=h), want_linear, 21),
+             "tdt.conv": (lambda: tdt.conv(xc, wc, registry=h, padding=1), want_conv, 29),
+             "patched nn.Linear": (lambda: linear(x), want_linear, 22),
+             "patched nn.Conv2d": (lambda: conv(xc), want_conv, 30)}
+    with torch.no_grad():
+        for name, (call, want, most_frames) in calls.items():
+            call()
+            frames, methods = _profiled(call)
+            assert rel_err(call(), want) < TOL[torch.float32], name
+            assert not any("torch/_ops.py" in f for f in frames), (name, "went through torch.ops", frames)
+            assert len(frames) <= most_frames, (name, len(frames), frames)
+            allocations = [m for m in methods if m.startswith("new_empty")]
+            assert len(allocations) == 1, (name, methods)
+            assert methods.count("data_ptr") == 3, (name, methods)  # x, w, out: one fingerprint each
+            assert not {"movedim", "permute", "contiguous", "expand", "copy_", "clone"} & set(methods), (name, methods)
+
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = tdt.conv(mode.from_tensor(xc), mode.from_tensor(wc), registry=h, padding=1)
+        assert isinstance(fake, FakeTensor) and fake.shape == want_conv.shape and fake.stride() == want_conv.stride()
+    meta = tdt.linear(x.to("meta"), w.to("meta"), registry=h)
+    assert meta.is_meta and meta.shape == want_linear.shape
+    with torch.profiler.profile() as prof:  # a profile names the operators: they are dispatched while it runs
+        tdt.conv(xc, wc, registry=h, padding=1)
+    assert "tiledispatch::conv_fwd" in {e.name for e in prof.events()}
+
+
 class SmallNet(nn.Module):
     """A CNN + MLP: dense, grouped, depthwise and pointwise 2D convolutions, a 1D convolution, Linear layers."""
 
@@ -328,15 +397,23 @@ class SmallNet(nn.Module):
 
 
 def _routed_calls(monkeypatch, reg) -> list:
+    """Names of the registry entry points the calls reach: gemm, conv_fwd, conv_bwd_data, conv_bwd_weight (the
+    convolutions by the op module's run(), which Registry.conv_* and tiledispatch.torch both enter)."""
+    from tiledispatch.ops import conv as conv_op
+
     calls = []
-    for name in ("gemm", "conv_fwd", "conv_bwd_data", "conv_bwd_weight"):
-        original = getattr(type(reg), name)
+    original_gemm, original_run = type(reg).gemm, conv_op.run
 
-        def spy(self, *args, _original=original, _name=name, **kw):
-            calls.append(_name)
-            return _original(self, *args, **kw)
+    def gemm_spy(self, *args, **kw):
+        calls.append("gemm")
+        return original_gemm(self, *args, **kw)
 
-        monkeypatch.setattr(type(reg), name, spy)
+    def run_spy(registry, direction, *args, **kw):
+        calls.append(f"conv_{direction}")
+        return original_run(registry, direction, *args, **kw)
+
+    monkeypatch.setattr(type(reg), "gemm", gemm_spy)
+    monkeypatch.setattr(conv_op, "run", run_spy)
     return calls
 
 

@@ -79,13 +79,12 @@ def _numpy_print_slow(a) -> tuple[int, tuple]:
 
 
 def _torch_print(t) -> tuple[int, tuple]:
-    # get_device() (-1 on the CPU) and is_cuda tell the devices apart with ints and bools (cheaper to hash and
-    # compare than t.device); alignment -1 for no memory (a meta tensor, data_ptr 0, would otherwise look like a
-    # CPU one); is_neg(): a lazily negated view (e.g. the .imag of a conjugated tensor) has the same memory,
-    # shape and strides as the values it does not hold
+    # one attribute read per field (each costs ~0.1 us, more on slower hosts): t.device names type and index at
+    # once; alignment -1 for no memory (a meta tensor, data_ptr 0, would otherwise look like a CPU one);
+    # is_neg(): a lazily negated view (e.g. the .imag of a conjugated tensor) has the same memory, shape and
+    # strides as the values it does not hold
     ptr = t.data_ptr()
-    return ptr, (t.shape, t.stride(), t.dtype, t.get_device(), t.is_cuda, ptr & 15 if ptr else -1, t.requires_grad,
-                 t.is_neg())
+    return ptr, (t.shape, t.stride(), t.dtype, t.device, ptr & 15 if ptr else -1, t.requires_grad, t.is_neg())
 
 
 def _cupy_print(x) -> tuple[int, tuple]:
@@ -108,6 +107,9 @@ def _printer_for(cls) -> Callable[[Any], tuple[int, tuple]]:
 
 
 _PRINTERS: dict = {}
+# type -> its fingerprint function (None until fingerprint() met the type): the launch caches' callers call
+# `(printer_of_type(type(t)) or fingerprint)(t)`, one Python call per tensor instead of two
+printer_of_type = _PRINTERS.get
 
 
 def current_stream(obj: Any):
@@ -187,7 +189,8 @@ class Plan:
         prints: their fingerprints in td_args slot order, when the caller has them already."""
         if prints is None:
             try:
-                prints = [fingerprint(t) for t in self._ops.tensors_in_slot_order(tensors)]
+                prints = [(printer_of_type(type(t)) or fingerprint)(t)
+                          for t in self._ops.tensors_in_slot_order(tensors)]
             except Exception:
                 self._ops.operands_for(self.problem, tensors)  # the full checks say what is wrong
                 raise
@@ -241,6 +244,12 @@ class Plan:
         self._footprints(args, slots)
         self._grad_sensitive = any(getattr(v.obj, "requires_grad", False) for v in operands.all())
 
+    def pin_stream(self) -> None:
+        """Launch on the stream the plan was prepared on, without looking up the current one per launch: for the
+        launch caches' plans, whose keys hold the current stream (a cached plan is only found, and launched, while
+        that stream is current)."""
+        self._stream_of = None
+
     def set_scalars(self, alpha, beta) -> None:
         """Swap alpha and beta in the prepared arguments (checked as the first launch checks them). Whether
         beta is 0 must not change: it decides whether C is read, which the preparation checked."""
@@ -288,6 +297,7 @@ class Launcher:
     __slots__ = ("plan", "pick", "alpha", "beta")
 
     def __init__(self, plan: Plan, alpha, beta, pick: Optional[Callable[[tuple], tuple]] = None):
+        plan.pin_stream()
         self.plan, self.pick = plan, pick
         self.alpha, self.beta = alpha, beta  # the caller's objects, for an identity test on the next call
 

@@ -19,7 +19,7 @@ from .ops import get as ops_get
 from .ops import conv as conv_op
 from .ops.conv import ConvProblem
 from .ops.gemm import GemmProblem, clamp_pair
-from .plan import BoundedCache, Launcher, Plan, bind, fingerprint, raise_for_status, stream_now
+from .plan import BoundedCache, Launcher, Plan, bind, fingerprint, printer_of_type, raise_for_status, stream_now
 from .errors import BundleError, InvalidInputError, UnsupportedProblemError
 from .spec.key import KernelKey
 
@@ -310,7 +310,9 @@ class Registry:
             # pointers and the values of alpha and beta (the Launcher checks and swaps those when they change),
             # with the types of the options where equal values of other types (True == 1) must be refused.
             try:
-                fa, fb, fo = fingerprint(a), fingerprint(b), fingerprint(out)
+                fa = (printer_of_type(type(a)) or fingerprint)(a)
+                fb = (printer_of_type(type(b)) or fingerprint)(b)
+                fo = (printer_of_type(type(out)) or fingerprint)(out)
                 fc = NO_PRINT if c is None else fingerprint(c)
                 fbias = NO_PRINT if bias is None else fingerprint(bias)
                 key = (_thread_id(), activation, beta != 0, clamp if clamp is NO_CLAMP else

@@ -22,7 +22,8 @@ current numbers): such an operator costs about 1.4 us above calling the Python f
 torch.library.custom_op about 7 us (Python layers of its own around the same kernel, with or without an
 autograd formula), and registering autograd on the operator (torch.library.register_autograd) adds about 3 us
 to every call, inference included. So the operators carry no autograd kernel and the differentiable
-functions use an autograd.Function only when a gradient is needed.
+functions use an autograd.Function only when a gradient is needed. Eager calls skip even the operator dispatch
+and run the implementation directly, unless something must see the operator (see "eager calls" below).
 
 Layouts: the bundle's conv kernels take channels-last memory with a group axis. A torch conv input
 [N, C, spatial...] whose memory is channels-last (torch.channels_last / channels_last_3d; for 1D, [N, W, C]
@@ -40,6 +41,8 @@ needs a workspace gets it on its first call on a stream, from torch's allocator,
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 import types
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
@@ -49,17 +52,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import InvalidInputError, UnsupportedProblemError
+from .ops import conv as conv_op
 from .ops import conv_as_gemm
 from .ops.conv import ConvProblem
 from .ops.gemm import GemmProblem
-from .registry import Registry
+from .registry import NO_CLAMP, Registry
 from .spec.key import ACTIVATIONS, Epilogue
 
 __all__ = ["register", "registry_of", "linear", "matmul", "conv", "patch", "unpatch", "PatchReport", "LayerReport"]
 
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "int8",
            torch.float64: "fp64"}  # fp64: a dtype tiledispatch knows, which a bundle may lack (a clear refusal)
-NO_CLAMP = (float("-inf"), float("inf"))
 
 # -- registries by handle ------------------------------------------------------------------------------
 
@@ -116,7 +119,7 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
 def _registry_for(handle: int, t: torch.Tensor) -> Registry:
     """The registry that launches on t's device: on CUDA, the view of this (device, current stream)."""
     if not t.is_cuda:
-        return registry_of(handle)
+        return _REGISTRIES[handle] if type(handle) is int and 0 <= handle < len(_REGISTRIES) else registry_of(handle)
     index = t.get_device()
     key = (handle, index, _raw_stream(index))
     reg = _PER_STREAM.get(key)
@@ -221,7 +224,9 @@ def _gemm_impl(a, b, bias, residuals, activation, clamp_low, clamp_high, registr
         _gemm_shape(a, b)
     route = _gemm_route(registry, a, b, activation, bias is not None, len(residuals))
     reg = _registry_for(registry, a) if a.is_cuda else _REGISTRIES[registry]
-    out = a.new_empty((*a.shape[:-1], b.shape[-1]), dtype=torch.int32 if a.dtype == torch.int8 else a.dtype)
+    sa = a.shape
+    shape = (sa[0], b.shape[-1]) if rank == 2 else (sa[0], sa[1], b.shape[-1])
+    out = a.new_empty(shape) if a.dtype is not torch.int8 else a.new_empty(shape, dtype=torch.int32)
     if route.copy_a:
         a = _to_major(a, route.copy_a)
     if route.copy_b:
@@ -245,7 +250,7 @@ def _fill_with_sum(out: torch.Tensor, bias: Optional[torch.Tensor], residuals: S
         if t.shape != shape:
             raise InvalidInputError(f"{role} has shape {list(t.shape)}, expected {list(shape)}")
     if bias is not None:
-        out.copy_(bias.expand(out.shape))
+        out.copy_(bias)  # broadcast over the rows
         for r in residuals:
             out.add_(r)
     else:
@@ -269,15 +274,41 @@ def _is_channels_last(t: torch.Tensor) -> bool:
 
 def _channels_last(t: torch.Tensor) -> torch.Tensor:
     """t itself when its memory is channels-last, else a channels-last copy (same logical shape)."""
-    if _is_channels_last(t):
+    rank = t.dim()  # _is_channels_last's test, inlined for the common ranks (this runs on every call)
+    if rank == 4:
+        if t.is_contiguous(memory_format=torch.channels_last):
+            return t
+    elif rank == 5:
+        if t.is_contiguous(memory_format=torch.channels_last_3d):
+            return t
+    elif _is_channels_last(t):
         return t
     return t.movedim(1, -1).contiguous().movedim(-1, 1)
 
 
 def _empty_channels_last(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
-    """A new [N, C, spatial...] tensor whose memory is [N, spatial..., C]."""
+    """A new [N, C, spatial...] tensor whose memory is [N, spatial..., C] (the fake implementations' form: it
+    takes symbolic sizes)."""
     lead, chan, spatial = shape[0], shape[1], shape[2:]
     return like.new_empty((lead, *spatial, chan)).movedim(-1, 1)
+
+
+_CL_STRIDES: dict = {}  # [N, C, spatial...] shape -> its channels-last strides
+
+
+def _new_channels_last(shape: tuple, like: torch.Tensor) -> torch.Tensor:
+    """_empty_channels_last's tensor (same strides) in one allocation call: an empty + movedim pair costs three
+    times as much host time."""
+    strides = _CL_STRIDES.get(shape)
+    if strides is None:
+        inner, acc = [], 1
+        for n in (shape[1], *reversed(shape[2:])):  # channels innermost, then the spatial dims, last first
+            inner.append(acc)
+            acc *= max(n, 1)  # as torch's contiguous strides: a dim of size 0 counts as 1
+        if len(_CL_STRIDES) >= _MEMO_SIZE:
+            _CL_STRIDES.clear()
+        strides = _CL_STRIDES[shape] = (acc, inner[0], *reversed(inner[1:]))
+    return like.new_empty_strided(shape, strides)
 
 
 def _out_size(in_size, filter_size, stride, dilation, pad_lo, pad_hi) -> list:
@@ -285,8 +316,47 @@ def _out_size(in_size, filter_size, stride, dilation, pad_lo, pad_hi) -> list:
             for i, f, s, d, lo, hi in zip(in_size, filter_size, stride, dilation, pad_lo, pad_hi)]
 
 
-def _geometry(stride, dilation, pad_lo, pad_hi, groups) -> dict:
-    return {"stride": stride, "dilation": dilation, "pad_lo": pad_lo, "pad_hi": pad_hi, "groups": groups}
+class _Geometry:
+    """A convolution's stride, dilation, padding and groups (tuples of ints, one per spatial dim), with what every
+    call derives from them made once: the registry options per direction with their launch-cache key (no option
+    dict to build or key to derive per call), the bias view's shape and the output shapes seen."""
+    __slots__ = ("stride", "dilation", "pad_lo", "pad_hi", "groups", "rank", "options", "keys", "bias_shape",
+                 "out_shapes")
+
+    def __init__(self, stride: tuple, dilation: tuple, pad_lo: tuple, pad_hi: tuple, groups: int):
+        self.stride, self.dilation, self.pad_lo, self.pad_hi, self.groups = stride, dilation, pad_lo, pad_hi, groups
+        self.rank = len(stride)
+        base = {"stride": stride, "dilation": dilation, "pad_lo": pad_lo, "pad_hi": pad_hi, "groups": groups}
+        self.options = {beta: {**base, "beta": beta} for beta in (0.0, 1.0)}
+        self.keys = {beta: conv_op.options_key(options) for beta, options in self.options.items()}
+        self.bias_shape = (1, -1) + (1,) * self.rank
+        self.out_shapes: dict = {}  # (x.shape, w.shape) -> y's shape (forward)
+
+    def fwd_shape(self, x: torch.Tensor, w: torch.Tensor) -> tuple:
+        xs, ws = x.shape, w.shape
+        shape = self.out_shapes.get((xs, ws))
+        if shape is None:
+            shape = (xs[0], ws[0], *_out_size(xs[2:], ws[2:], self.stride, self.dilation, self.pad_lo, self.pad_hi))
+            if len(self.out_shapes) >= _MEMO_SIZE:
+                self.out_shapes.clear()
+            self.out_shapes[xs, ws] = shape
+        return shape
+
+
+_MEMO_SIZE = 256  # entries of each shape memo (cleared when full: they only save recomputation)
+_GEOMETRIES: dict = {}
+
+
+def _geometry(stride, dilation, pad_lo, pad_hi, groups) -> _Geometry:
+    """The _Geometry of these values: sequences of plain ints and an int (torch.ops passes them so; the public
+    functions check theirs: True == 1 hashes alike, so nothing else may reach the memo)."""
+    key = (tuple(stride), tuple(dilation), tuple(pad_lo), tuple(pad_hi), groups)
+    geo = _GEOMETRIES.get(key)
+    if geo is None:
+        if len(_GEOMETRIES) >= _MEMO_SIZE:
+            _GEOMETRIES.clear()
+        geo = _GEOMETRIES[key] = _Geometry(*key)
+    return geo
 
 
 def _check_conv_dtypes(*tensors) -> None:
@@ -301,17 +371,24 @@ def _conv_fwd_shape(x, w, stride, dilation, pad_lo, pad_hi):
 
 
 def _conv_fwd_impl(x, w, bias, stride, dilation, pad_lo, pad_hi, groups, registry):
-    _check_conv_dtypes(("x", x), ("w", w), ("bias", bias))
-    reg = _registry_for(registry, x)
+    return _conv_fwd_run(x, w, bias, _geometry(stride, dilation, pad_lo, pad_hi, groups), registry)
+
+
+def _conv_fwd_run(x, w, bias, geo: _Geometry, handle: int):
+    """The forward convolution on the bundle: the operator's implementation, which eager calls enter directly."""
+    dtype = x.dtype
+    if w.dtype != dtype or (bias is not None and bias.dtype != dtype):
+        _check_conv_dtypes(("x", x), ("w", w), ("bias", bias))
+    reg = _registry_for(handle, x)
     x, w = _channels_last(x), _channels_last(w)
-    y = _empty_channels_last(_conv_fwd_shape(x, w, stride, dilation, pad_lo, pad_hi), x)
-    beta = 0.0
-    if bias is not None:  # y = conv + 1 * y, y holding the bias first: the add happens in the kernel's epilogue
-        if bias.shape != (w.shape[0],):
-            raise InvalidInputError(f"conv bias has shape {list(bias.shape)}, expected [{w.shape[0]}]")
-        y.copy_(bias.view(1, -1, *([1] * (x.dim() - 2))).expand(y.shape))
-        beta = 1.0
-    return reg.conv_fwd(x, w, y, beta=beta, **_geometry(stride, dilation, pad_lo, pad_hi, groups))
+    y = _new_channels_last(geo.fwd_shape(x, w), x)
+    if bias is None:
+        return conv_op.run(reg, "fwd", x, w, y, y, geo.options[0.0], geo.keys[0.0])
+    # y = conv + 1 * y, y holding the bias first: the add happens in the kernel's epilogue
+    if bias.shape != (w.shape[0],):
+        raise InvalidInputError(f"conv bias has shape {list(bias.shape)}, expected [{w.shape[0]}]")
+    y.copy_(bias.view(geo.bias_shape))  # broadcast over N and the spatial dims
+    return conv_op.run(reg, "fwd", x, w, y, y, geo.options[1.0], geo.keys[1.0])
 
 
 def _conv_fwd_fake(x, w, bias, stride, dilation, pad_lo, pad_hi, groups, registry):
@@ -319,11 +396,16 @@ def _conv_fwd_fake(x, w, bias, stride, dilation, pad_lo, pad_hi, groups, registr
 
 
 def _conv_bwd_data_impl(dy, w, in_size, stride, dilation, pad_lo, pad_hi, groups, registry):
-    _check_conv_dtypes(("dy", dy), ("w", w))
-    reg = _registry_for(registry, dy)
+    return _conv_bwd_data_run(dy, w, in_size, _geometry(stride, dilation, pad_lo, pad_hi, groups), registry)
+
+
+def _conv_bwd_data_run(dy, w, in_size, geo: _Geometry, handle: int):
+    if w.dtype != dy.dtype:
+        _check_conv_dtypes(("dy", dy), ("w", w))
+    reg = _registry_for(handle, dy)
     dy, w = _channels_last(dy), _channels_last(w)
-    dx = _empty_channels_last((dy.shape[0], w.shape[1] * groups, *in_size), dy)
-    return reg.conv_bwd_data(dy, w, dx, **_geometry(stride, dilation, pad_lo, pad_hi, groups))
+    dx = _new_channels_last((dy.shape[0], w.shape[1] * geo.groups, *in_size), dy)
+    return conv_op.run(reg, "bwd_data", dx, w, dy, dx, geo.options[0.0], geo.keys[0.0])
 
 
 def _conv_bwd_data_fake(dy, w, in_size, stride, dilation, pad_lo, pad_hi, groups, registry):
@@ -331,11 +413,16 @@ def _conv_bwd_data_fake(dy, w, in_size, stride, dilation, pad_lo, pad_hi, groups
 
 
 def _conv_bwd_weight_impl(x, dy, filter_size, stride, dilation, pad_lo, pad_hi, groups, registry):
-    _check_conv_dtypes(("x", x), ("dy", dy))
-    reg = _registry_for(registry, x)
+    return _conv_bwd_weight_run(x, dy, filter_size, _geometry(stride, dilation, pad_lo, pad_hi, groups), registry)
+
+
+def _conv_bwd_weight_run(x, dy, filter_size, geo: _Geometry, handle: int):
+    if dy.dtype != x.dtype:
+        _check_conv_dtypes(("x", x), ("dy", dy))
+    reg = _registry_for(handle, x)
     x, dy = _channels_last(x), _channels_last(dy)
-    dw = _empty_channels_last((dy.shape[1], x.shape[1] // groups, *filter_size), x)
-    return reg.conv_bwd_weight(x, dy, dw, **_geometry(stride, dilation, pad_lo, pad_hi, groups))
+    dw = _new_channels_last((dy.shape[1], x.shape[1] // geo.groups, *filter_size), x)
+    return conv_op.run(reg, "bwd_weight", x, dw, dy, dw, geo.options[0.0], geo.keys[0.0])
 
 
 def _conv_bwd_weight_fake(x, dy, filter_size, stride, dilation, pad_lo, pad_hi, groups, registry):
@@ -366,6 +453,56 @@ _conv_bwd_data_op = _ops.conv_bwd_data.default
 _conv_bwd_weight_op = _ops.conv_bwd_weight.default
 
 
+# -- eager calls -------------------------------------------------------------------------------------------
+# An operator call through torch.ops costs a few microseconds of dispatch on top of its Python implementation:
+# where nothing needs to see the operator, the implementation is called directly. Everything else goes
+# through torch.ops: torch.compile / torch.export (their tracing runs the fake implementations), torch.jit
+# tracing, dispatch modes (FakeTensorMode, make_fx), torch function modes, functorch transforms, tensor
+# subclasses (fake tensors), meta tensors, and a running torch.profiler (its trace then names the operators).
+_compiling = torch.compiler.is_compiling
+_profiling = getattr(getattr(torch._C, "_autograd", None), "_profiler_enabled", None)
+_tracing_state = getattr(torch._C, "_get_tracing_state", None)
+_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
+_function_modes = getattr(torch._C, "_is_torch_function_mode_enabled", None)
+_functorch_level = getattr(getattr(torch._C, "_functorch", None), "maybe_current_level", None)
+_PLAIN = frozenset((torch.Tensor, nn.Parameter))
+# without one of these functions (another torch), always torch.ops
+_DIRECT = None not in (_tracing_state, _dispatch_modes, _function_modes, _functorch_level, _profiling)
+
+
+def _eager(a, b, c=None) -> bool:
+    """Whether an operator call on these tensors may run its implementation directly (see above)."""
+    return (_DIRECT and not _compiling() and type(a) in _PLAIN and type(b) in _PLAIN
+            and (c is None or type(c) in _PLAIN) and not a.is_meta and not _dispatch_modes() and not _function_modes()
+            and _tracing_state() is None and _functorch_level() is None and not _profiling())
+
+
+def _gemm(a, b, bias, residuals, activation: str, clamp_low: float, clamp_high: float, handle: int):
+    """tiledispatch::gemm, directly where _eager allows."""
+    if _eager(a, b, bias) and (not residuals or all(type(r) in _PLAIN for r in residuals)):
+        return _gemm_impl(a, b, bias, residuals, activation, clamp_low, clamp_high, handle)
+    return _gemm_op(a, b, bias, list(residuals), activation, clamp_low, clamp_high, handle)
+
+
+def _conv_fwd(x, w, bias, stride, dilation, pad_lo, pad_hi, groups, handle, geo: Optional[_Geometry] = None):
+    """tiledispatch::conv_fwd, directly where _eager allows (geo: the _Geometry of these values, when known)."""
+    if _eager(x, w, bias):
+        return _conv_fwd_run(x, w, bias, geo or _geometry(stride, dilation, pad_lo, pad_hi, groups), handle)
+    return _conv_fwd_op(x, w, bias, stride, dilation, pad_lo, pad_hi, groups, handle)
+
+
+def _conv_bwd_data(dy, w, in_size, stride, dilation, pad_lo, pad_hi, groups, handle):
+    if _eager(dy, w):
+        return _conv_bwd_data_run(dy, w, in_size, _geometry(stride, dilation, pad_lo, pad_hi, groups), handle)
+    return _conv_bwd_data_op(dy, w, in_size, stride, dilation, pad_lo, pad_hi, groups, handle)
+
+
+def _conv_bwd_weight(x, dy, filter_size, stride, dilation, pad_lo, pad_hi, groups, handle):
+    if _eager(x, dy):
+        return _conv_bwd_weight_run(x, dy, filter_size, _geometry(stride, dilation, pad_lo, pad_hi, groups), handle)
+    return _conv_bwd_weight_op(x, dy, filter_size, stride, dilation, pad_lo, pad_hi, groups, handle)
+
+
 # -- autograd ----------------------------------------------------------------------------------------------
 def _activation_grad(g, out, pre, activation: str, clamp: tuple):
     """dL/d(pre-activation) from dL/d(out); pre is None for the activations whose derivative the output gives."""
@@ -391,14 +528,14 @@ def _grad_in_layout_of(t: torch.Tensor, lhs, rhs, handle: int) -> torch.Tensor:
     """lhs @ rhs (the gradient of t), computed so that it comes out in t's major order: a column-major t
     (e.g. the weight view of a Linear) gets (rhs^T @ lhs^T)^T."""
     if "r" not in _letters(t):
-        return _gemm_op(rhs.mT, lhs.mT, None, [], "identity", *NO_CLAMP, handle).mT
-    return _gemm_op(lhs, rhs, None, [], "identity", *NO_CLAMP, handle)
+        return _gemm(rhs.mT, lhs.mT, None, (), "identity", *NO_CLAMP, handle).mT
+    return _gemm(lhs, rhs, None, (), "identity", *NO_CLAMP, handle)
 
 
 class _GemmFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, bias, activation, clamp_low, clamp_high, handle, *residuals):
-        out = _gemm_op(a, b, bias, list(residuals), activation, clamp_low, clamp_high, handle)
+        out = _gemm(a, b, bias, residuals, activation, clamp_low, clamp_high, handle)
         ctx.activation, ctx.clamp, ctx.handle = activation, (clamp_low, clamp_high), handle
         ctx.save_for_backward(a, b, bias, out, *(residuals if activation in _NEEDS_PRE else ()))
         return out
@@ -409,7 +546,7 @@ class _GemmFunction(torch.autograd.Function):
         a, b, bias, out, *residuals = ctx.saved_tensors
         pre = None
         if ctx.activation in _NEEDS_PRE:  # recomputed through the bundle rather than stored by the forward pass
-            pre = _gemm_op(a, b, bias, residuals, "identity", *NO_CLAMP, ctx.handle)
+            pre = _gemm(a, b, bias, residuals, "identity", *NO_CLAMP, ctx.handle)
         g = _activation_grad(g.contiguous(), out, pre, ctx.activation, ctx.clamp)
         ga = _grad_in_layout_of(a, g, b.mT, ctx.handle) if ctx.needs_input_grad[0] else None
         gb = _grad_in_layout_of(b, a.mT, g, ctx.handle) if ctx.needs_input_grad[1] else None
@@ -422,7 +559,7 @@ class _ConvFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, bias, stride, dilation, pad_lo, pad_hi, groups, handle):
         x, w = _channels_last(x), _channels_last(w)  # converted once, kept for the backward pass
-        y = _conv_fwd_op(x, w, bias, stride, dilation, pad_lo, pad_hi, groups, handle)
+        y = _conv_fwd(x, w, bias, stride, dilation, pad_lo, pad_hi, groups, handle)
         ctx.geometry = (stride, dilation, pad_lo, pad_hi, groups, handle)
         ctx.save_for_backward(x, w)
         return y
@@ -434,9 +571,9 @@ class _ConvFunction(torch.autograd.Function):
         gy = _channels_last(gy)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = _conv_bwd_data_op(gy, w, x.shape[2:], *ctx.geometry)
+            dx = _conv_bwd_data(gy, w, x.shape[2:], *ctx.geometry)
         if ctx.needs_input_grad[1]:
-            dw = _conv_bwd_weight_op(x, gy, w.shape[2:], *ctx.geometry)
+            dw = _conv_bwd_weight(x, gy, w.shape[2:], *ctx.geometry)
         if ctx.needs_input_grad[2]:
             db = gy.sum(dim=(0, *range(2, gy.dim())))
         return dx, dw, db, None, None, None, None, None, None
@@ -477,7 +614,13 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, registry, bias: Optional[torch.T
     if activation not in ACTIVATIONS:
         raise InvalidInputError(f"unknown activation {activation!r} (known: {', '.join(ACTIVATIONS)})")
     low, high = NO_CLAMP if clamp is None else (float(clamp[0]), float(clamp[1]))
-    a, b, bias, *residuals = _autocast((a, b, bias, *residuals))
+    return _matmul(a, b, bias, tuple(residuals), activation, low, high, handle)
+
+
+def _matmul(a, b, bias, residuals: tuple, activation: str, low: float, high: float, handle: int) -> torch.Tensor:
+    """matmul() on checked options."""
+    if _any_autocast():
+        a, b, bias, *residuals = _autocast((a, b, bias, *residuals))
     lead = None
     if b.dim() == 2 and a.dim() != 2:  # [..., k] @ [k, n]: one GEMM over the rows of every leading index
         if a.dim() < 1:
@@ -488,7 +631,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, registry, bias: Optional[torch.T
     if _needs_grad(a, b, bias, *residuals):
         out = _GemmFunction.apply(a, b, bias, activation, low, high, handle, *residuals)
     else:
-        out = _gemm_op(a, b, bias, list(residuals), activation, low, high, handle)
+        out = _gemm(a, b, bias, residuals, activation, low, high, handle)
     return out if lead is None else out.view(*lead, out.shape[-1])
 
 
@@ -500,10 +643,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 
 
 def _per_dim(name: str, value, rank: int) -> list:
-    values = [value] * rank if isinstance(value, int) else list(value)
-    if len(values) != rank:
+    """rank plain ints from an int or a sequence of ints (numpy integers accepted, bools refused)."""
+    if type(value) is int:
+        return [value] * rank
+    try:
+        values = [value] * rank if isinstance(value, numbers.Integral) else list(value)
+        values = [v if type(v) is int else _plain_int(v) for v in values]
+    except TypeError:
+        values = None
+    if values is None or len(values) != rank:
         raise InvalidInputError(f"conv {name} must be an int or {rank} ints, got {value!r}")
     return values
+
+
+def _plain_int(v) -> int:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(v)
+    return operator.index(v)
 
 
 def conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *, registry, stride=1,
@@ -513,18 +669,35 @@ def conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     (grad input: bwd_data, grad weight: bwd_weight, grad bias: a sum)."""
     handle = register(registry)
     rank = x.dim() - 2
-    if rank not in (1, 2, 3) or weight.dim() != x.dim():
-        raise InvalidInputError(f"conv takes x [N, C, spatial...] with 1-3 spatial dims and weight [K, C/G, "
-                                f"filter...] of the same rank; got {list(x.shape)} and {list(weight.shape)}")
+    _check_conv_ranks(x, weight, rank)
     if (pad_lo is None) != (pad_hi is None):
         raise InvalidInputError("give both pad_lo and pad_hi, or padding")
     lo = _per_dim("pad_lo", pad_lo if pad_lo is not None else padding, rank)
     hi = _per_dim("pad_hi", pad_hi if pad_hi is not None else padding, rank)
     stride, dilation = _per_dim("stride", stride, rank), _per_dim("dilation", dilation, rank)
-    x, weight, bias = _autocast((x, weight, bias))
+    return _conv(x, weight, bias, stride, dilation, lo, hi, groups if type(groups) is int else _groups(groups), handle)
+
+
+def _groups(value) -> int:
+    try:
+        return _plain_int(value)
+    except TypeError:
+        raise InvalidInputError(f"conv groups must be an int, got {value!r}") from None
+
+
+def _check_conv_ranks(x, weight, rank: int) -> None:
+    if rank not in (1, 2, 3) or weight.dim() != rank + 2:
+        raise InvalidInputError(f"conv takes x [N, C, spatial...] with 1-3 spatial dims and weight [K, C/G, "
+                                f"filter...] of the same rank; got {list(x.shape)} and {list(weight.shape)}")
+
+
+def _conv(x, weight, bias, stride, dilation, lo, hi, groups: int, handle: int, geo: Optional[_Geometry] = None):
+    """conv() on checked arguments (geo: their _Geometry, when the caller keeps it)."""
+    if _any_autocast():
+        x, weight, bias = _autocast((x, weight, bias))
     if _needs_grad(x, weight, bias):
         return _ConvFunction.apply(x, weight, bias, stride, dilation, lo, hi, groups, handle)
-    return _conv_fwd_op(x, weight, bias, stride, dilation, lo, hi, groups, handle)
+    return _conv_fwd(x, weight, bias, stride, dilation, lo, hi, groups, handle, geo)
 
 
 # -- patch / unpatch -----------------------------------------------------------------------------------------
@@ -601,15 +774,30 @@ def _conv_padding(module) -> tuple[list, list]:
 
 
 def _patched_linear_forward(self, x):
-    return linear(x, self.weight, self.bias, registry=getattr(self, _PATCH_ATTR)["handle"])
+    return _matmul(x, self.weight.t(), self.bias, (), "identity", *NO_CLAMP, getattr(self, _PATCH_ATTR)["handle"])
 
 
 def _patched_conv_forward(self, x):
     state = getattr(self, _PATCH_ATTR)
     if self.padding_mode != "zeros":  # reflect / replicate / circular: padded by torch, as nn.Conv does
         x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
-    return conv(x, self.weight, self.bias, registry=state["handle"], stride=list(self.stride),
-                dilation=list(self.dilation), groups=self.groups, pad_lo=state["pad_lo"], pad_hi=state["pad_hi"])
+    weight = self.weight
+    if _compiling():  # traced: no per-layer state is read or written inside a graph
+        return conv(x, weight, self.bias, registry=state["handle"], stride=list(self.stride),
+                    dilation=list(self.dilation), groups=self.groups, pad_lo=state["pad_lo"], pad_hi=state["pad_hi"])
+    # the layer's _Geometry, made again when its stride, dilation or groups changed since (compared by value)
+    geo, source = state["geometry"]
+    if source != (self.stride, self.dilation, self.groups):
+        rank = len(self.kernel_size)
+        source = (self.stride, self.dilation, self.groups)
+        geo = _geometry(_per_dim("stride", self.stride, rank), _per_dim("dilation", self.dilation, rank),
+                        _per_dim("pad_lo", state["pad_lo"], rank), _per_dim("pad_hi", state["pad_hi"], rank),
+                        _groups(self.groups))
+        state["geometry"] = geo, source
+    rank = x.dim() - 2
+    _check_conv_ranks(x, weight, rank if rank == geo.rank else 0)
+    return _conv(x, weight, self.bias, geo.stride, geo.dilation, geo.pad_lo, geo.pad_hi, geo.groups,
+                 state["handle"], geo)
 
 
 def _missing(handle: int, module: nn.Module, kind: str, dtype: str, training: bool) -> Optional[str]:
@@ -664,6 +852,7 @@ def patch(model: nn.Module, registry, *, example_inputs=None, autocast: Optional
         state = {"handle": handle, "report": report, "dtype": dtype}
         if kind != "Linear":
             state["pad_lo"], state["pad_hi"] = _conv_padding(module)
+            state["geometry"] = None, None  # made on the first call (_patched_conv_forward)
         setattr(module, _PATCH_ATTR, state)
         module.forward = types.MethodType(_patched_linear_forward if kind == "Linear" else _patched_conv_forward,
                                           module)

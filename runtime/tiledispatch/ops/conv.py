@@ -30,7 +30,7 @@ from ..errors import InvalidInputError, UnsupportedProblemError
 from ..spec.dtypes import DTYPES, dtype
 from ..spec.key import CONV_LAYOUTS, DIRECTIONS, Epilogue, KernelKey
 from .gemm import check_size, real_scalar
-from ..plan import Launcher, fingerprint, stream_now
+from ..plan import Launcher, fingerprint, printer_of_type, stream_now
 
 _thread_id = threading.get_ident
 
@@ -458,7 +458,7 @@ _EXACT_INT_OPTIONS = frozenset(("groups", "spatial_dims", "num_threads", "stream
 _SCALARS = frozenset(("alpha", "beta"))
 
 
-def _options_key(options: dict) -> Optional[tuple]:
+def options_key(options: dict) -> Optional[tuple]:
     """A call's options (but alpha and beta) as a hashable key for the launch cache, or None when a value is not
     a plain integer (or a tuple / list of them), a kernel or None: such calls take the full checks every
     time, so that a value the checks refuse but that equals an accepted one (True == 1, 1.0 == 1) never reaches
@@ -487,15 +487,23 @@ def _options_key(options: dict) -> Optional[tuple]:
 _CALL_OPTIONS = {"alpha": 1.0, "beta": 0.0, "kernel": None, "stream": None, "num_threads": 0}
 
 
-def run(registry, direction: str, x, w, y, written, options: dict):
+_DERIVE = object()  # run(option_key=): derive the key from the options
+
+
+def run(registry, direction: str, x, w, y, written, options: dict, option_key=_DERIVE):
     """The entry points' work (fwd, bwd_data, bwd_weight and the Registry's methods, which pass their keyword
-    arguments as the dict `options`): x, w, y in the explicit roles, `written` the output given (or None)."""
+    arguments as the dict `options`): x, w, y in the explicit roles, `written` the output given (or None).
+    option_key: options_key(options), from a caller that passes the same options dict again and again (it is
+    not rebuilt per call then)."""
     key = launcher = None
     if written is not None:  # the fast path, as Registry.gemm's: a launch prepared by an earlier call
         try:
-            fx, fw, fy = fingerprint(x), fingerprint(w), fingerprint(y)
+            fx = (printer_of_type(type(x)) or fingerprint)(x)
+            fw = (printer_of_type(type(w)) or fingerprint)(w)
+            fy = (printer_of_type(type(y)) or fingerprint)(y)
             beta = options.get("beta", 0.0)
-            option_key = _options_key(options)
+            if option_key is _DERIVE:
+                option_key = options_key(options)
             if option_key is not None:
                 key = (_thread_id(), direction, fx[1], fw[1], fy[1], beta != 0, option_key,
                        stream_now(x) if options.get("stream") is None and registry.device != "cpu" else None)
