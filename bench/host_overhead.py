@@ -273,7 +273,7 @@ def machine(device: str) -> dict:
     info = {"python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__,
             "tiledispatch": td.__version__, "host_cpu": _cpu_model()}
     try:
-        info["commit"] = subprocess.run(["git", "-C", str(HERE), "rev-parse", "HEAD"], capture_output=True,
+        info["commit"] = subprocess.run(["git", "-C", str(HERE), "describe", "--always", "--dirty"], capture_output=True,
                                         text=True, timeout=30).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         pass

@@ -456,7 +456,7 @@ def machine(device: str, reg, bundle: str) -> dict:
             "tiledispatch": td.__version__, "bundle": str(bundle), "bundle_kernels": len(reg.kernels),
             "backend": reg.backend, "arch": reg.arch}
     try:
-        info["commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+        info["commit"] = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True,
                                         text=True).stdout.strip()
     except OSError:
         pass
