@@ -2,6 +2,7 @@
 and launching one kernel of a bundle through the C ABI with a persistent workspace."""
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 
@@ -114,3 +115,20 @@ def machine() -> dict:
     props = torch.cuda.get_device_properties(0)
     return {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
             "cuda_torch": torch.version.cuda, "cudart": cuda.versions(), "cudart_path": cuda.library_path()}
+
+
+def time_batch(fn, batch: int, repeats: int, warmup: int = 0) -> float:
+    """Median milliseconds per call over `repeats` batches of `batch` back-to-back calls, after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        start.record()
+        for _ in range(batch):
+            fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / batch)
+    return statistics.median(times)

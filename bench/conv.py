@@ -24,6 +24,7 @@ import time
 import torch
 
 from _conv_common import TORCH_DTYPE, ConvLauncher, PointwiseGemmLaunchers, machine
+from _gpu_common import time_batch
 from conv_report import summarize
 from tiledispatch import abi, load
 from tiledispatch.ops import conv
@@ -72,20 +73,6 @@ def tensors(p: conv.ConvProblem, gen):
     w = make(p.k, p.c // p.g, p.filter_size)
     y = make(p.n, p.k, p.out_size)
     return x, w, y
-
-
-def time_batch(fn, batch: int, repeats: int) -> float:
-    """Median milliseconds per call over `repeats` batches of `batch` back-to-back calls."""
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeats):
-        start.record()
-        for _ in range(batch):
-            fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) / batch)
-    return statistics.median(times)
 
 
 def time_single(fn, repeats: int = 30) -> float:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 import traceback
@@ -35,6 +34,7 @@ from tiledispatch.ops import conv  # noqa: E402
 from tiledispatch.ops.gemm import GemmProblem  # noqa: E402
 
 import coverage  # noqa: E402
+from _gpu_common import time_batch  # noqa: E402
 
 TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "int8": torch.int8,
          "int32": torch.int32}
@@ -137,21 +137,6 @@ def validate_conv(reg, kern, gen_np) -> list[dict]:
 
 
 # ---- timing ----------------------------------------------------------------------------------------------------
-def time_batch(fn, batch: int = 20, repeats: int = 15) -> float:
-    """Median milliseconds per call over `repeats` batches of `batch` back-to-back calls (after warm-up)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeats):
-        start.record()
-        for _ in range(batch):
-            fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) / batch)
-    return statistics.median(times)
 
 
 TIMED_GEMMS = (("fp16", 777, 1234, 4320), ("fp16", 65, 129, 256), ("fp16", 3, 50257, 768),
@@ -171,8 +156,8 @@ def time_gemm(reg, dt, m, n, k, gen) -> dict:
     err = (ours.double() - theirs.double()).norm() / theirs.double().norm()
     entry["rel_error_vs_torch"] = float(err)
     entry["kernel"] = reg.select(GemmProblem(m, n, k, dt, dt, dt, "rcr")).name
-    entry["torch_ms"] = time_batch(lambda: torch.matmul(a, b, out=theirs))
-    entry["ours_ms"] = time_batch(lambda: reg.gemm(a, b, out=ours))
+    entry["torch_ms"] = time_batch(lambda: torch.matmul(a, b, out=theirs), 20, 15, warmup=3)
+    entry["ours_ms"] = time_batch(lambda: reg.gemm(a, b, out=ours), 20, 15, warmup=3)
     entry["speedup"] = entry["torch_ms"] / entry["ours_ms"]
     return entry
 
@@ -223,8 +208,8 @@ def time_conv(reg, case, direction, gen) -> dict:
     ref = ref.reshape(written.shape).double()
     entry["rel_error_vs_torch"] = float((written.double() - ref).norm() / ref.norm())
     entry["kernel"] = reg.select(p).name
-    entry["cudnn_ms"] = time_batch(ref_call)
-    entry["ours_ms"] = time_batch(ours_call)
+    entry["cudnn_ms"] = time_batch(ref_call, 20, 15, warmup=3)
+    entry["ours_ms"] = time_batch(ours_call, 20, 15, warmup=3)
     entry["speedup"] = entry["cudnn_ms"] / entry["ours_ms"]
     return entry
 
