@@ -140,6 +140,22 @@ def _erf(x: np.ndarray) -> np.ndarray:
     return np.frompyfunc(erf, 1, 1)(x).astype(np.float64)
 
 
+def conv_fwd_fused(x, w, stride, dilation, pad_lo, pad_hi, *, y=None, bias=None, residuals=(), alpha=1.0, beta=0.0,
+                   activation="identity", clamp=(-np.inf, np.inf)) -> np.ndarray:
+    """y = act(alpha * conv(x, w) + beta * y + bias[k] + sum(residuals)) in float64, explicit group axis: bias
+    [G, K/G] (or its K values in group order), residuals and y [N, out..., G, K/G]."""
+    acc = conv_fwd(x, w, stride, dilation, pad_lo, pad_hi)
+    b = None if bias is None else _f64(bias).reshape(acc.shape[-2:])
+    out = alpha * acc
+    if y is not None and beta != 0:
+        out = out + beta * _f64(y)
+    if b is not None:
+        out = out + b
+    for r in residuals:
+        out = out + _f64(r)
+    return ACTIVATIONS[activation](out, clamp[0], clamp[1])
+
+
 def gemm(a, b, c=None, bias=None, residuals=(), alpha=1.0, beta=0.0, activation="identity",
          clamp=(-np.inf, np.inf)) -> np.ndarray:
     """act(alpha * a @ b + beta * c + bias + sum(residuals)) in float64; a [.., m, k], b [.., k, n]."""

@@ -96,7 +96,23 @@ def conv_inputs(p, rng) -> dict:
         scale = min(1.0, (limit / conv_terms(p)) ** 0.5)  # per read operand: their product scales by scale**2
     data = {role: random_array(rng, shapes[role], dtypes[role], scale) for role in ("x", "w", "y") if role != written}
     data[written] = poison(np.empty(shapes[written], numpy_dtype(dtypes[written])))
+    data.update(conv_epilogue_inputs(p, rng))
     return data
+
+
+def conv_epilogue_inputs(p, rng) -> dict:
+    """The fused forward epilogue's random operands: bias [G, K/G] and residuals shaped like Y (absent: nothing)."""
+    epi = p.epilogue
+    out = {}
+    if epi.bias:
+        out["bias"] = random_array(rng, (p.g, p.k // p.g), p.dtype_y)
+    if epi.residuals:
+        out["residuals"] = tuple(random_array(rng, p.shapes()["y"], p.dtype_y) for _ in range(epi.residuals))
+    return out
+
+
+# clamp bounds a validation uses for activation "clamp": inside the outputs' range, so both bounds bite
+VALIDATION_CLAMP = (-0.25, 0.5)
 
 
 def conv_reference(p, data: dict) -> np.ndarray:
@@ -104,6 +120,10 @@ def conv_reference(p, data: dict) -> np.ndarray:
     from . import reference
 
     geo = (p.stride, p.dilation, p.pad_lo, p.pad_hi)
+    if p.direction == "fwd" and p.epilogue != type(p.epilogue)():
+        return reference.conv_fwd_fused(data["x"], data["w"], *geo, bias=data.get("bias"),
+                                        residuals=data.get("residuals", ()), activation=p.epilogue.activation,
+                                        clamp=VALIDATION_CLAMP)
     if p.direction == "fwd":
         return reference.conv_fwd(data["x"], data["w"], *geo)
     if p.direction == "bwd_data":
@@ -112,12 +132,14 @@ def conv_reference(p, data: dict) -> np.ndarray:
 
 
 def conv_case(p, rng) -> tuple[dict, np.ndarray]:
-    """Random x, w, y for a ConvProblem (the written one poisoned) and the float64 reference result."""
+    """Random x, w, y for a ConvProblem (the written one poisoned), with a fused epilogue its bias and residuals, and
+    the float64 reference result (activation clamp: VALIDATION_CLAMP)."""
     from .ops.conv import WRITES
 
     shapes = p.shapes()
     data = {role: random_array(rng, shapes[role], p.dtype_a if role == "x" else (p.dtype_b if role == "w" else p.dtype_c))
             for role in ("x", "w", "y")}
+    data.update(conv_epilogue_inputs(p, rng))
     expect = conv_reference(p, data)
     poison(data[WRITES[p.direction]])
     return data, expect

@@ -28,8 +28,8 @@ from .. import abi
 from ..arrays import ArrayView, check_disjoint, check_writable, empty_like_device, view
 from ..errors import InvalidInputError, UnsupportedProblemError
 from ..spec.dtypes import DTYPES, dtype
-from ..spec.key import CONV_LAYOUTS, DIRECTIONS, Epilogue, KernelKey
-from .gemm import check_size, real_scalar
+from ..spec.key import ACTIVATIONS, CONV_LAYOUTS, DIRECTIONS, Epilogue, KernelKey
+from .gemm import _epi, check_size, clamp_pair, real_scalar
 from ..plan import Launcher, fingerprint, printer_of_type, stream_now
 
 _thread_id = threading.get_ident
@@ -43,6 +43,9 @@ IntOrSeq = Union[int, Sequence[int]]
 # stride, dilation and padding are bounded so that the kernels' products of them (e.g. pixels x stride) fit an
 # int64 (the cpu kernels refuse larger ones too: templates/cpu/_conv_common.j2 MAX_GEOMETRY)
 MAX_GEOMETRY = 2**31 - 1
+# a fused forward epilogue adds at most this many residual tensors (td_args holds X, W, Y, bias and 4 more)
+MAX_RESIDUALS = 4
+NO_CLAMP = (float("-inf"), float("inf"))
 
 
 def _is_int(v) -> bool:
@@ -198,7 +201,7 @@ class ConvProblem:
         if sig.layout != self.layout:
             return f"kernel has layout {sig.layout}, problem has {self.layout}"
         if sig.epilogue != self.epilogue:
-            return f"kernel fuses epilogue {sig.epilogue}, problem asks for {self.epilogue}"
+            return f"kernel fuses epilogue {_epi(sig.epilogue)}, problem asks for {_epi(self.epilogue)}"
         return None
 
     def __str__(self) -> str:
@@ -207,7 +210,8 @@ class ConvProblem:
         return (f"conv{self.spatial_dims}d {self.direction} N={self.n} G={self.g} C={self.c} K={self.k} "
                 f"in={dims(self.in_size)} filter={dims(self.filter_size)} stride={dims(self.stride)} "
                 f"dilation={dims(self.dilation)} pad={dims(self.pad_lo)}/{dims(self.pad_hi)} "
-                f"{self.dtype_x}/{self.dtype_w}->{self.dtype_y} {self.layout}")
+                f"{self.dtype_x}/{self.dtype_w}->{self.dtype_y} {self.layout}"
+                + ("" if self.epilogue == Epilogue() else f" epilogue {_epi(self.epilogue)}"))
 
     def to_dict(self) -> dict:
         return {"op": "conv", "direction": self.direction, "spatial_dims": self.spatial_dims, "n": self.n,
@@ -221,19 +225,23 @@ class ConvProblem:
 
 @dataclass
 class Operands:
-    """Explicit-group-axis views of X, W, Y; `out` is the caller's object for the written tensor."""
+    """Explicit-group-axis views of X, W, Y; `out` is the caller's object for the written tensor. A fused forward
+    epilogue adds the bias [G, K/G] (or None) and the residuals, each shaped like Y."""
     x: ArrayView
     w: ArrayView
     y: ArrayView
     out: object
+    bias: Optional[ArrayView] = None
+    residuals: tuple[ArrayView, ...] = ()
 
     def all(self) -> list[ArrayView]:
-        return [self.x, self.w, self.y]
+        return [v for v in (self.x, self.w, self.y, self.bias, *self.residuals) if v is not None]
 
     def layout_key(self) -> tuple:
         """What td_can_run may look at besides the problem: each view's shape, strides, dtype and pointer
-        alignment, in slot order; the key of the registry's selection caches."""
-        return tuple((v.shape, v.strides, v.dtype, v.ptr & 15) for v in (self.x, self.w, self.y))
+        alignment (None for an absent bias), in slot order; the key of the registry's selection caches."""
+        return tuple(None if v is None else (v.shape, v.strides, v.dtype, v.ptr & 15)
+                     for v in (self.x, self.w, self.y, self.bias, *self.residuals))
 
 
 # -- array forms ------------------------------------------------------------------------------------
@@ -293,16 +301,19 @@ def operands(direction: str, x=None, w=None, y=None, *, stride: IntOrSeq = 1, di
              padding: Optional[IntOrSeq] = None, pad_lo: Optional[IntOrSeq] = None,
              pad_hi: Optional[IntOrSeq] = None, groups: Optional[int] = None,
              in_size: Optional[Sequence[int]] = None, filter_size: Optional[Sequence[int]] = None,
-             spatial_dims: Optional[int] = None):
+             spatial_dims: Optional[int] = None, bias=None, residuals=(), activation: str = "identity"):
     """Check the arrays against each other and return (ConvProblem, Operands).
 
     fwd reads x and w and writes y; bwd_data reads y (dY) and w and writes x (dX); bwd_weight reads x
     and y (dY) and writes w (dW). The written array may be None: it is allocated (in the caller's
     form), and bwd_data then needs in_size, bwd_weight filter_size. padding is symmetric; pad_lo and
     pad_hi give the two sides (asymmetric); each is an int (every dim) or one int per spatial dim.
+    The fused epilogue (fwd only): Y = act(alpha * conv + beta * Y + bias[k] + sum(residuals)), bias of K values
+    ([K], or [G, K/G] with the explicit group axis) and residuals in Y's form and shape, all of Y's dtype.
     """
     if direction not in CONV_DIRECTIONS:
         raise InvalidInputError(f"conv direction must be one of {', '.join(CONV_DIRECTIONS)}, got {direction!r}")
+    epilogue = _epilogue(direction, bias, residuals, activation)
     written = WRITES[direction]
     given = {"x": x, "w": w, "y": y}
     for role in ("x", "w", "y"):
@@ -349,7 +360,7 @@ def operands(direction: str, x=None, w=None, y=None, *, stride: IntOrSeq = 1, di
     dt_default = next(iter(dts.values()))
     problem = ConvProblem(direction, n, g, cg * g, kg * g, tuple(sp_in), tuple(filt), **geo,
                           dtype_x=dts.get("x", dt_default), dtype_w=dts.get("w", dt_default),
-                          dtype_y=dts.get("y", dt_default))
+                          dtype_y=dts.get("y", dt_default), epilogue=epilogue)
     shapes = problem.shapes()
     if written not in v:
         out = _allocate(v[next(iter(v))], written, shapes[written], dt_default, groups)
@@ -366,36 +377,94 @@ def operands(direction: str, x=None, w=None, y=None, *, stride: IntOrSeq = 1, di
             hint = " (use a channels_last tensor)" if groups is not None else ""
             raise InvalidInputError(f"{role} must have contiguous channels (unit stride along C/G or K/G); its "
                                     f"strides are {list(raw[role].strides if role in raw else v[role].strides)}{hint}")
-    devices = {a.device for a in v.values()}
+    vbias = _bias_view(bias, problem) if bias is not None else None
+    vres = tuple(_residual_view(r, i, problem, groups, rank) for i, r in enumerate(residuals))
+    devices = {a.device for a in (*v.values(), vbias, *vres) if a is not None}
     if len(devices) > 1:
         raise InvalidInputError(f"arrays live on different devices: {sorted(devices)}")
     if written in raw:
         check_writable(raw[written], written)
-    check_disjoint(v[written], written, [(v[role], role) for role in ("x", "w", "y") if role != written])
-    return problem, Operands(v["x"], v["w"], v["y"], out)
+    check_disjoint(v[written], written, [(v[role], role) for role in ("x", "w", "y") if role != written]
+                   + [(vbias, "bias")] + [(r, f"residual {i}") for i, r in enumerate(vres)])
+    return problem, Operands(v["x"], v["w"], v["y"], out, vbias, vres)
+
+
+def _epilogue(direction: str, bias, residuals, activation) -> Epilogue:
+    """The fused epilogue a call asks for; the backward directions take none."""
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
+        raise InvalidInputError(f"unknown activation {activation!r} (known: {', '.join(ACTIVATIONS)})")
+    if not isinstance(residuals, (list, tuple)):
+        raise InvalidInputError(f"residuals must be a list or tuple of arrays, got {type(residuals).__name__}")
+    if len(residuals) > MAX_RESIDUALS:
+        raise InvalidInputError(f"a conv epilogue adds at most {MAX_RESIDUALS} residuals, got {len(residuals)}")
+    if any(r is None for r in residuals):
+        raise InvalidInputError("residuals must be arrays, got None among them")
+    epilogue = Epilogue(activation, bias is not None, len(residuals))
+    if direction != "fwd" and epilogue != Epilogue():
+        raise InvalidInputError(f"conv {direction} takes no fused epilogue (bias, residuals, activation): fused "
+                                f"epilogues are forward only")
+    return epilogue
+
+
+def _bias_view(bias, problem: ConvProblem) -> ArrayView:
+    """The bias as [G, K/G]: given as K values ([K]) or with the explicit group axis ([G, K/G])."""
+    b = view(bias, "bias")
+    g, kg = problem.g, problem.k // problem.g
+    if b.ndim == 1 and b.shape[0] == problem.k:
+        b = ArrayView(b.ptr, (g, kg), (kg * b.strides[0], b.strides[0]), b.dtype, b.device, b.obj)
+    elif b.ndim != 2 or b.shape != (g, kg):
+        raise InvalidInputError(f"bias has shape {list(b.shape)}, expected [{problem.k}] (K output channels) or "
+                                f"[{g}, {kg}] ([G, K/G])")
+    if b.dtype != problem.dtype_y:
+        raise InvalidInputError(f"bias has dtype {b.dtype}, expected {problem.dtype_y} (the output dtype)")
+    return b
+
+
+def _residual_view(r, i: int, problem: ConvProblem, groups: Optional[int], rank: int) -> ArrayView:
+    """Residual i in the explicit-group-axis form, checked: Y's shape, dtype and contiguous channels."""
+    role = f"residual {i}"
+    raw = view(r, role)
+    v = _explicit(raw, "y", groups, rank)
+    want = problem.shapes()["y"]
+    if tuple(v.shape) != want:
+        raise InvalidInputError(f"{role} has shape {list(raw.shape)}, expected Y's "
+                                f"{list(_logical_shape(want, 'y', groups))} ({_FORMS['y'][0 if groups is None else 1]})")
+    if v.dtype != problem.dtype_y:
+        raise InvalidInputError(f"{role} has dtype {v.dtype}, expected {problem.dtype_y} (the output dtype)")
+    if v.shape[-1] > 1 and v.strides[-1] != 1:
+        hint = " (use a channels_last tensor)" if groups is not None else ""
+        raise InvalidInputError(f"{role} must have contiguous channels (unit stride along K/G); its strides are "
+                                f"{list(raw.strides)}{hint}")
+    return v
 
 
 def tensors_in_slot_order(tensors: dict) -> list:
-    """The caller's objects in td_args slot order: X, W, Y."""
+    """The caller's objects in td_args slot order: X, W, Y, then (a fused epilogue) bias and residuals."""
     if not isinstance(tensors, dict):
-        raise InvalidInputError(f"conv tensors are a dict {{x, w, y}}, got {type(tensors).__name__}")
-    return [tensors.get("x"), tensors.get("w"), tensors.get("y")]
+        raise InvalidInputError(f"conv tensors are a dict {{x, w, y, bias?, residuals?}}, got {type(tensors).__name__}")
+    fused = [tensors.get("bias"), *(tensors.get("residuals") or ())]
+    return [tensors.get("x"), tensors.get("w"), tensors.get("y")] + (fused if fused != [None] else [])
 
 
 def operands_for(problem: ConvProblem, tensors: dict) -> Operands:
-    """Operands from a dict {x, w, y} (all three: the written one is the output), checked against the
-    problem. Arrays of rank S + 3 have the explicit group axis, of rank S + 2 the logical form."""
-    if not isinstance(tensors, dict) or set(tensors) != {"x", "w", "y"}:
+    """Operands from a dict {x, w, y} (all three: the written one is the output), and for a fused epilogue bias and
+    residuals, checked against the problem. Arrays of rank S + 3 have the explicit group axis, of rank S + 2 the
+    logical form."""
+    if (not isinstance(tensors, dict) or not {"x", "w", "y"} <= set(tensors)
+            or set(tensors) - {"x", "w", "y", "bias", "residuals"}):
         got = sorted(tensors) if isinstance(tensors, dict) else type(tensors).__name__
-        raise InvalidInputError(f"conv tensors are x, w and y (y is dY for bwd_data and bwd_weight); got {got}")
+        raise InvalidInputError(f"conv tensors are x, w and y (y is dY for bwd_data and bwd_weight), and for a fused "
+                                f"epilogue optionally bias and residuals; got {got}")
     rank = problem.spatial_dims
-    ranks = {len(view(a, role).shape) for role, a in tensors.items()}
+    ranks = {len(view(tensors[role], role).shape) for role in ("x", "w", "y")}
     if ranks not in ({rank + 3}, {rank + 2}):
         raise InvalidInputError(f"conv {rank}D tensors have rank {rank + 3} (explicit group axis) or {rank + 2} "
                                 f"([N, C, spatial...]) all three; got ranks {sorted(ranks)}")
     found, ops = operands(problem.direction, tensors["x"], tensors["w"], tensors["y"], stride=problem.stride,
                           dilation=problem.dilation, pad_lo=problem.pad_lo, pad_hi=problem.pad_hi,
-                          groups=problem.g if ranks == {rank + 2} else None, spatial_dims=rank)
+                          groups=problem.g if ranks == {rank + 2} else None, spatial_dims=rank,
+                          bias=tensors.get("bias"), residuals=tensors.get("residuals", ()),
+                          activation=problem.epilogue.activation)
     if found != problem:
         raise InvalidInputError(f"the tensors describe {found}, but the problem is {problem}")
     return ops
@@ -415,17 +484,23 @@ def written_slots(problem: ConvProblem) -> tuple[int, Optional[int]]:
 
 
 def slot_names(problem: ConvProblem, count: int) -> list[str]:
-    return ["x", "w", "y"]
+    return ["x", "w", "y", "bias", *(f"residual {i}" for i in range(count - 4))]
+
+
+def fused(epilogue: Epilogue) -> bool:
+    """Whether a kernel with this epilogue takes the fused forward ABI (4 + residuals tensors)."""
+    return epilogue != Epilogue()
 
 
 def make_args(problem: ConvProblem, key: KernelKey, ops: Optional[Operands] = None, *, alpha: float = 1.0,
-              beta: float = 0.0) -> abi.TdArgs:
+              beta: float = 0.0, clamp: tuple[float, float] = NO_CLAMP) -> abi.TdArgs:
     alpha, beta = real_scalar("alpha", alpha), real_scalar("beta", beta)
     sig = key.signature
     p = problem
     args = abi.TdArgs()
     args.abi_version = abi.ABI_VERSION
-    args.num_tensors = 3
+    epi = sig.epilogue
+    args.num_tensors = 4 + epi.residuals if fused(epi) else 3
     shapes = p.shapes()
     for slot, (role, key_role) in enumerate((("x", "a"), ("w", "b"), ("y", "c"))):
         code = dtype(getattr(sig, f"dtype_{key_role}")).code
@@ -437,6 +512,26 @@ def make_args(problem: ConvProblem, key: KernelKey, ops: Optional[Operands] = No
             if v.shape[-1] == 1:  # any stride is right for a single channel; the kernel asks for 1
                 strides[-1] = 1
             abi.set_tensor(args.tensors[slot], v.ptr, code, shapes[role], strides)
+    if fused(epi):  # slot 3 bias [G, K/G] (NULL without one, still counted), slots 4 + i the residuals
+        code = dtype(sig.dtype_c).code
+        kg = p.k // p.g
+        if ops is not None and ops.bias is not None:
+            strides = list(ops.bias.strides)
+            strides[0] = strides[0] if p.g > 1 else kg  # any stride is right for one group; give the packed one
+            strides[1] = strides[1] if kg > 1 else 1
+            abi.set_tensor(args.tensors[3], ops.bias.ptr, code, (p.g, kg), strides)
+        else:
+            abi.set_tensor(args.tensors[3], DUMMY_PTR if ops is None and epi.bias else None, code, (p.g, kg), (kg, 1))
+        for i in range(epi.residuals):
+            if ops is None:
+                abi.set_tensor(args.tensors[4 + i], DUMMY_PTR, code, shapes["y"], _dense(shapes["y"]))
+            else:
+                r = ops.residuals[i]
+                strides = list(r.strides)
+                if r.shape[-1] == 1:
+                    strides[-1] = 1
+                abi.set_tensor(args.tensors[4 + i], r.ptr, code, shapes["y"], strides)
+        args.scalars[2], args.scalars[3] = clamp_pair(clamp)
     args.params[abi.CONV_RANK] = p.spatial_dims
     for d in range(p.spatial_dims):
         args.params[abi.CONV_STRIDE + d] = p.stride[d]
@@ -455,20 +550,26 @@ GEOMETRY_OPTIONS = ("stride", "dilation", "padding", "pad_lo", "pad_hi", "groups
 # options whose full check wants a Python int (not a numpy integer) or None; alpha and beta are left out of the
 # launch key (the Launcher checks and swaps them)
 _EXACT_INT_OPTIONS = frozenset(("groups", "spatial_dims", "num_threads", "stream"))
-_SCALARS = frozenset(("alpha", "beta"))
+# alpha and beta: swapped by the Launcher; bias and residuals: arrays, fingerprinted by run() like x, w and y
+_NOT_KEYED = frozenset(("alpha", "beta", "bias", "residuals"))
+EPILOGUE_OPTIONS = ("bias", "residuals", "activation", "clamp")
 
 
 def options_key(options: dict) -> Optional[tuple]:
-    """A call's options (but alpha and beta) as a hashable key for the launch cache, or None when a value is not
-    a plain integer (or a tuple / list of them), a kernel or None: such calls take the full checks every
-    time, so that a value the checks refuse but that equals an accepted one (True == 1, 1.0 == 1) never reaches
-    a cached launch."""
+    """A call's options (but alpha, beta and the epilogue's arrays) as a hashable key for the launch cache, or None
+    when a value is not a plain integer (or a tuple / list of them), a kernel, None, an activation name or a
+    clamp pair of floats: such calls take the full checks every time, so that a value the checks refuse but that
+    equals an accepted one (True == 1, 1.0 == 1) never reaches a cached launch."""
     items = []
     for name, value in options.items():
-        if name in _SCALARS:
+        if name in _NOT_KEYED:
             continue
         kind = type(value)
-        if kind is int or value is None or name == "kernel":  # a kernel: its name or the Kernel object itself
+        if name == "activation" and kind is str:
+            items.append((name, value))
+        elif name == "clamp" and kind is tuple and len(value) == 2 and all(type(v) in (float, int) for v in value):
+            items.append((name, value, type(value[0]), type(value[1])))
+        elif kind is int or value is None or name == "kernel":  # a kernel: its name or the Kernel object itself
             items.append((name, value))
         elif name in _EXACT_INT_OPTIONS:
             return None
@@ -484,7 +585,7 @@ def options_key(options: dict) -> Optional[tuple]:
     return tuple(items)
 
 
-_CALL_OPTIONS = {"alpha": 1.0, "beta": 0.0, "kernel": None, "stream": None, "num_threads": 0}
+_CALL_OPTIONS = {"alpha": 1.0, "beta": 0.0, "kernel": None, "stream": None, "num_threads": 0, "clamp": NO_CLAMP}
 
 
 _DERIVE = object()  # run(option_key=): derive the key from the options
@@ -507,12 +608,21 @@ def run(registry, direction: str, x, w, y, written, options: dict, option_key=_D
             if option_key is not None:
                 key = (_thread_id(), direction, fx[1], fw[1], fy[1], beta != 0, option_key,
                        stream_now(x) if options.get("stream") is None and registry.device != "cpu" else None)
+                ptrs = (fx[0], fw[0], fy[0])
+                bias, residuals = options.get("bias"), options.get("residuals", ())
+                if bias is not None or residuals or "activation" in options:  # the epilogue's arrays, in slot
+                    # order after Y (bias None for a kernel without one: its slot stays NULL)
+                    if type(residuals) not in (tuple, list):
+                        raise TypeError("residuals: the full checks say what is wrong")
+                    extra = [fingerprint(bias), *(fingerprint(r) for r in residuals)]
+                    key += tuple(e[1] for e in extra)
+                    ptrs += tuple(e[0] for e in extra)
                 launcher = registry._launches.get(key)
         except Exception:  # an argument that cannot be fingerprinted or hashed: the full checks say what is wrong
             key = launcher = None
         if launcher is not None:
             try:
-                launcher((fx[0], fw[0], fy[0]), options.get("alpha", 1.0), beta)
+                launcher(ptrs, options.get("alpha", 1.0), beta)
             except BaseException:  # e.g. an overlap of the new pointers: the next call checks everything again
                 registry._launches.discard(key)
                 raise
@@ -521,22 +631,27 @@ def run(registry, direction: str, x, w, y, written, options: dict, option_key=_D
     geo = {}
     for name, value in options.items():
         (call if name in call else geo)[name] = value
-    unknown = sorted(set(geo) - set(GEOMETRY_OPTIONS))
+    unknown = sorted(set(geo) - set(GEOMETRY_OPTIONS) - set(EPILOGUE_OPTIONS))
     if unknown:
         raise InvalidInputError(f"conv {direction}: unknown option(s) {', '.join(unknown)} (known: alpha, beta, kernel, "
-                                f"stream, num_threads, {', '.join(GEOMETRY_OPTIONS)})")
+                                f"stream, num_threads, {', '.join(GEOMETRY_OPTIONS)}; fwd: {', '.join(EPILOGUE_OPTIONS)})")
     alpha, beta = real_scalar("alpha", call["alpha"]), real_scalar("beta", call["beta"])
+    clamp = clamp_pair(call["clamp"])
     if beta != 0 and written is None:
         raise InvalidInputError("beta != 0 reads the previous contents of the output: pass out=")
     problem, ops = operands(direction, x, w, y, **geo)
+    if call["clamp"] is not NO_CLAMP and problem.epilogue.activation != "clamp":
+        raise InvalidInputError(f"clamp bounds are read by activation 'clamp' only; the call asks for activation "
+                                f"{problem.epilogue.activation!r}")
     kernel, stream, num_threads = call["kernel"], call["stream"], call["num_threads"]
     launcher = None
     if kernel is None:
-        launcher = _gemm_launcher(registry, problem, ops, alpha=alpha, beta=beta, stream=stream,
+        launcher = _gemm_launcher(registry, problem, ops, alpha=alpha, beta=beta, clamp=clamp, stream=stream,
                                   num_threads=num_threads, given=(call["alpha"], call["beta"]))
     if launcher is None:
+        scalars = {"clamp": clamp} if fused(problem.epilogue) else {}
         plan = registry._launch(problem, ops, kernel=kernel, stream=stream, num_threads=num_threads, alpha=alpha,
-                                beta=beta)
+                                beta=beta, **scalars)
         launcher = Launcher(plan, call["alpha"], call["beta"])
     if key is not None:
         registry._launches.put(key, launcher)
@@ -549,29 +664,42 @@ _GEMM_SLOTS = {("fwd", False): itemgetter(0, 1, 3, 2, 3), ("fwd", True): itemget
                ("bwd_data", False): itemgetter(2, 1, 3, 0, 3), ("bwd_data", True): itemgetter(2, 1, 0, 0, 3)}
 
 
-def _gemm_launcher(registry, problem: ConvProblem, ops: Operands, *, alpha: float, beta: float, stream,
+def _gemm_launcher(registry, problem: ConvProblem, ops: Operands, *, alpha: float, beta: float, clamp, stream,
                    num_threads: int, given: tuple):
     """A pointwise convolution on the bundle's GEMM kernels (ops/conv_as_gemm.py), launched once: its Launcher.
     None, with nothing written, when the problem is not pointwise or no GEMM kernel of the bundle runs it:
-    the conv kernels do."""
+    the conv kernels do. A fused forward epilogue becomes the GEMM's (bias per column K, residuals like D)."""
     from . import conv_as_gemm, gemm
 
     views = conv_as_gemm.operands(problem, ops)
     if views is None or "gemm" not in registry.ops:
         return None
     a, b, d = views
-    gemm_problem, gemm_ops = gemm.operands(a, b, d, d if beta else None)
+    bias = res = None
+    if fused(problem.epilogue):
+        res = tuple(conv_as_gemm.pixel_rows(r) for r in ops.residuals)
+        if any(r is None for r in res):
+            return None
+        bias = None if ops.bias is None else conv_as_gemm.bias_row(ops.bias)
+    gemm_problem, gemm_ops = gemm.operands(a, b, d, d if beta else None, bias, res or (),
+                                           problem.epilogue.activation)
     try:
         plan = registry._launch(gemm_problem, gemm_ops, kernel=None, stream=stream, num_threads=num_threads,
-                                alpha=alpha, beta=beta)
+                                alpha=alpha, beta=beta, clamp=clamp)
     except UnsupportedProblemError:  # no GEMM kernel fits (dtype, layout, alignment) or one refused at launch
         return None
-    return Launcher(plan, *given, pick=_GEMM_SLOTS[problem.direction, beta != 0])
+    pick = _GEMM_SLOTS[problem.direction, beta != 0]
+    if fused(problem.epilogue):  # the caller's pointers are (x, w, y, bias, residuals...) + (None,)
+        none = 4 + problem.epilogue.residuals
+        pick = itemgetter(0, 1, 2 if beta else none, 2, 3 if problem.epilogue.bias else none,
+                          *range(4, 4 + problem.epilogue.residuals))
+    return Launcher(plan, *given, pick=pick)
 
 
 def fwd(registry, x, w, out=None, **options):
-    """y = alpha * conv(x, w) + beta * out; returns out (allocated when None). options: alpha (1.0), beta (0.0),
-    kernel, stream, num_threads and the geometry (see operands())."""
+    """y = act(alpha * conv(x, w) + beta * out + bias + sum(residuals)); returns out (allocated when None).
+    options: alpha (1.0), beta (0.0), bias, residuals, activation ("identity"), clamp ((-inf, inf); activation
+    "clamp" only), kernel, stream, num_threads and the geometry (see operands())."""
     return run(registry, "fwd", x, w, out, out, options)
 
 

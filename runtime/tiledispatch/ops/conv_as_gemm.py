@@ -61,3 +61,13 @@ def _pixel_rows(v: ArrayView) -> Optional[ArrayView]:
 
 def _transposed(v: ArrayView) -> ArrayView:
     return ArrayView(v.ptr, v.shape[::-1], v.strides[::-1], v.dtype, v.device, v.obj)
+
+
+def pixel_rows(v: ArrayView) -> Optional[ArrayView]:
+    """A residual [N, spatial..., 1, K] as the GEMM's [N x pixels, K] (None when its pixels are not one run of rows)."""
+    return _pixel_rows(v)
+
+
+def bias_row(v: ArrayView) -> ArrayView:
+    """The bias [1, K] (one group) as the GEMM's per-column bias [K]."""
+    return ArrayView(v.ptr, (v.shape[1],), (v.strides[1],), v.dtype, v.device, v.obj)

@@ -8,7 +8,7 @@ def claims(key) -> bool:
     return key.signature.op == "conv" and key.algorithm.pipeline == "packed"
 
 
-def templates(key) -> list[str]:  # identity epilogue only (rule cpu.conv_epilogue)
+def templates(key) -> list[str]:
     return [f"conv_{key.signature.direction}.cpp.j2", "_conv_common.j2",
             "_microkernel.j2"]
 
