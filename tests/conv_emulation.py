@@ -37,11 +37,11 @@ def cuda_include() -> str | None:
 
 
 def conv_key(direction, rank, pipeline, tile, mma, warps, dtype="fp16", cpg=0, kpg=0, stages=0, fx=0, fy=0,
-             extras=()) -> KernelKey:
+             extras=(), epilogue=Epilogue()) -> KernelKey:
     extras += (("cutlass.cpg", cpg), ("cutlass.kpg", kpg)) if cpg else ()
     extras += (("cutlass.fx", fx),) if fx else ()
     extras += (("cutlass.fy", fy),) if fy else ()
-    return KernelKey(Signature("conv", dtype, dtype, dtype, "fp32", "nhwgc", Epilogue(), direction, rank),
+    return KernelKey(Signature("conv", dtype, dtype, dtype, "fp32", "nhwgc", epilogue, direction, rank),
                      Algorithm(tuple(tile), pipeline, tuple(warps), tuple(mma), "data_parallel", 1, (1, 1, 1), stages,
                                extras), "cutlass", "sm90a")
 
@@ -103,8 +103,9 @@ def case(rng, direction, rank, kind, geometry, dtype="fp16", sizes=None):
 def run(lib: abi.KernelLibrary, key: KernelKey, p, data, alpha=1.0, beta=0.0):
     """(status, reason, output array) of one emulated launch on host arrays."""
     _, ops = conv.operands(p.direction, data["x"], data["w"], data["y"], stride=p.stride, dilation=p.dilation,
-                           pad_lo=p.pad_lo, pad_hi=p.pad_hi)
-    args = conv.make_args(p, key, ops, alpha=alpha, beta=beta)
+                           pad_lo=p.pad_lo, pad_hi=p.pad_hi, bias=data.get("bias"),
+                           residuals=data.get("residuals", ()), activation=p.epilogue.activation)
+    args = conv.make_args(p, key, ops, alpha=alpha, beta=beta, clamp=validation.VALIDATION_CLAMP)
     need = lib.workspace_bytes(args)
     ws = np.full(need // 4 + 4, np.nan, np.float32) if need else None
     if need:

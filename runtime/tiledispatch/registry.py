@@ -370,8 +370,11 @@ class Registry:
         return dev_out.to_host(out=ops.out)
 
     def conv_fwd(self, x, w, out=None, **options):
-        """y = alpha * conv(x, w) + beta * out (grouped, 1-3D); options: see ops.conv.operands and fwd.
-        Repeated calls are cached as gemm()'s are."""
+        """y = act(alpha * conv(x, w) + beta * out + bias + sum(residuals)) (grouped, 1-3D); options: alpha, beta,
+        bias ([K] or [G, K/G]), residuals (a tuple of arrays shaped like y), activation (as gemm()'s), clamp
+        ((low, high), activation "clamp"), kernel, stream, num_threads and the geometry (ops.conv.operands and
+        fwd). The kernel chosen fuses exactly this epilogue; UnsupportedProblemError when no kernel of the bundle
+        does. Repeated calls are cached as gemm()'s are."""
         return conv_op.run(self, "fwd", x, w, out, out, options)
 
     def conv_bwd_data(self, dy, w, out=None, **options):

@@ -56,7 +56,8 @@
  *     params[4 + d]       dilation
  *     params[7 + d]       padding low
  *     params[10 + d]      padding high
- *   scalars: 0 alpha, 1 beta (beta * previous contents of the written tensor).
+ *   scalars: 0 alpha, 1 beta (beta * previous contents of the written tensor); a fused fwd kernel also 2, 3
+ *   (see "Fused forward epilogue" below).
  *   spatial_out = (spatial_in + pad_lo + pad_hi - dilation * (filter - 1) - 1) / stride + 1.
  *   Example, fwd: 2-D, fp16, N = 8, input 32 x 32, C = 64, K = 128, G = 1, 3 x 3 filter, stride 1, padding 1:
  *     num_tensors = 3
@@ -70,6 +71,32 @@
  *   Example, bwd_weight: 1-D depthwise, fp32, N = 4, input 100, C = K = G = 16, filter 5, stride 2, no padding
  *     (spatial_out = 48): X {4, 100, 16, 1} stride {1600, 16, 1, 1}; W (written, dW) {16, 1, 5, 1} stride
  *     {5, 5, 1, 1}; Y (dY) {4, 48, 16, 1} stride {768, 16, 1, 1}; params = {1, 2, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0}.
+ *
+ *   Fused forward epilogue: Y = act(alpha * conv(X, W) + beta * Y_old + bias[g][k] + R0 + R1 + ...).
+ *   A fwd kernel whose key has an epilogue other than the default (identity, no bias, 0 residuals; its name's
+ *   epilogue field is not "identity") takes num_tensors = 4 + the key's epilogue.residuals; plain conv kernels
+ *   keep the 3 tensors above. Slot 3 (bias) is ALWAYS counted, also for a kernel without bias (data NULL):
+ *   "expected 4 tensors (X, W, Y, bias, 0 residuals), got 3" means slot 3 was left out. bwd_data and bwd_weight
+ *   kernels have no epilogue (the rules refuse one).
+ *     slot  name  shape                          dtype    data
+ *     3     bias  [G, K/G]                       dtype_c  per output channel: required when the key has
+ *                                                         epilogue.bias, else NULL (still counted)
+ *     4+i   R_i   [N, spatial_out..., G, K/G]    dtype_c  residual i: Y's shape, its own strides (channels
+ *                                                         contiguous); never overlapping Y
+ *   scalars: 0 alpha, 1 beta, 2 clamp low, 3 clamp high (read by activation "clamp" only), as GEMM's.
+ *   A kernel may refuse a combination it cannot fuse with TD_UNSUPPORTED and a reason (e.g. tma_ws_conv adds its
+ *   residual through CUTLASS's C operand, so it refuses beta != 0 together with a residual).
+ *   Example, the ResNet block's last conv: fp16, N = 8, 56 x 56, C = 64, K = 256, 1 x 1, relu(conv + bias +
+ *   identity) (key ..._relubiasres1_...):
+ *     num_tensors = 5
+ *     tensors[0] X     data x     TD_FP16  rank 5  shape {8, 56, 56, 1, 64}   stride {200704, 3584, 64, 64, 1}
+ *     tensors[1] W     data w     TD_FP16  rank 5  shape {1, 256, 1, 1, 64}   stride {16384, 64, 64, 64, 1}
+ *     tensors[2] Y     data y     TD_FP16  rank 5  shape {8, 56, 56, 1, 256}  stride {802816, 14336, 256, 256, 1}
+ *     tensors[3] bias  data b     TD_FP16  rank 2  shape {1, 256}             stride {256, 1}
+ *     tensors[4] R0    data r     TD_FP16  rank 5  shape {8, 56, 56, 1, 256}  stride {802816, 14336, 256, 256, 1}
+ *     params = {2, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0}
+ *     scalars = {1.0, 0.0, 0.0, 0.0}
+ *   ReLU6 (key ..._clampbias_...): num_tensors = 4, scalars = {1.0, 0.0, 0.0, 6.0}.
  */
 #ifndef TILEDISPATCH_ABI_H
 #define TILEDISPATCH_ABI_H
