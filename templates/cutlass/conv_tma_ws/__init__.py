@@ -26,7 +26,15 @@ def claims(key) -> bool:
 def templates(key) -> list[str]:
     wgrad = ["_conv_sm90_wgrad.j2", "_conv_sm90_wgrad_abi.j2"] if key.signature.direction == "bwd_weight" else []
     consumers = ["_conv_sm90_consumers.j2"] if _consumers(key) == 2 and not wgrad else []
-    return ["conv_sm90.cu.j2", "_conv_common.j2", "_tma_driver.j2"] + wgrad + consumers
+    epilogue = ["_epilogue.j2"] if _fused(key) else []
+    return ["conv_sm90.cu.j2", "_conv_common.j2", "_tma_driver.j2"] + wgrad + consumers + epilogue
+
+
+def _fused(key) -> bool:
+    """Whether the key fuses an epilogue (fwd only): an epilogue tree on CUTLASS's collective epilogue
+    (conv_sm90.cu.j2), the GEMM's functors (_epilogue.j2)."""
+    epi = key.signature.epilogue
+    return epi.activation != "identity" or epi.bias or epi.residuals > 0
 
 
 def _consumers(key) -> int:
@@ -58,6 +66,9 @@ def context(key) -> dict:
                                                       "TmaWarpSpecializedCooperative" if consumers == 2 else
                                                       "TmaWarpSpecialized"),
         "consumers": consumers,
+        "fused": _fused(key),
+        "compute": "float",
+        "int_out": False,
         "align": 16 // common.dtype(sig.dtype_a).itemsize,
         # bwd_weight writes fp32 partial dW per k range (the workspace) from our persistent kernel body
         # (wgrad_split), then finalize_splits sums and converts them into W
