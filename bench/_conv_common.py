@@ -50,12 +50,15 @@ def expected_refusal(key, problem):
 class ConvLauncher:
     """One kernel on one problem: td_args built once, td_run per call (one launch, no sync)."""
 
-    def __init__(self, kernel, problem, x, w, y, alpha=1.0, beta=0.0):
+    def __init__(self, kernel, problem, x, w, y, alpha=1.0, beta=0.0, bias=None, residuals=(),
+                 clamp=conv.NO_CLAMP):
+        """bias, residuals, clamp: a fused forward epilogue's operands (the problem's epilogue says which)."""
         self.kernel, self.lib = kernel, kernel.library
         _, ops = conv.operands(problem.direction, x, w, y, stride=problem.stride, dilation=problem.dilation,
                                pad_lo=problem.pad_lo, pad_hi=problem.pad_hi,
-                               groups=None if x.dim() == problem.spatial_dims + 3 else problem.g)
-        self.args = conv.make_args(problem, kernel.key, ops, alpha=alpha, beta=beta)
+                               groups=None if x.dim() == problem.spatial_dims + 3 else problem.g,
+                               bias=bias, residuals=residuals, activation=problem.epilogue.activation)
+        self.args = conv.make_args(problem, kernel.key, ops, alpha=alpha, beta=beta, clamp=clamp)
         self.args.stream = torch.cuda.current_stream().cuda_stream or None
         need = self.lib.workspace_bytes(self.args)
         if need:

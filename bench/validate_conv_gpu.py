@@ -12,7 +12,12 @@ refuses it with that reason. Then per direction and rank, through the runtime's 
 tensors (groups=G form), against torch's float32 convolution; alpha/beta on one problem per kernel; and
 refusals (misaligned channels for implicit_gemm and tma_ws_conv, groups > 1 for tma_ws_conv); tma_ws_conv
 bwd_weight's split of its pixel sum with S = 1, uneven k ranges, K not a multiple of the tile and more tiles
-than resident CTAs, each with beta = 0 and alpha/beta. Exit status 1 on any failure.
+than resident CTAs, each with beta = 0 and alpha/beta. Fused forward epilogues (kernels whose key has an
+activation, bias or residuals): every such kernel on its kinds and geometries with random bias and residuals against
+the float64 reference (act(alpha * conv + beta * Y + bias + residuals); clamp bounds validation.VALIDATION_CLAMP),
+alpha/beta with the epilogue (beta = 0 where tma_ws_conv adds a residual as its C operand), the runtime's own
+selection of each epilogue on torch channels_last tensors against torch, and pointwise layers on the bundle's fused
+GEMM kernels through the runtime. Exit status 1 on any failure.
 """
 from __future__ import annotations
 
@@ -26,9 +31,10 @@ import numpy as np
 import torch
 
 from _conv_common import TORCH_DTYPE, ConvLauncher, expected_refusal, kind_of, machine
-from tiledispatch import abi, backends, load, validation
+from tiledispatch import abi, backends, load, reference, validation
 from tiledispatch.ops import conv, conv_as_gemm, gemm
 from tiledispatch.plan import bind
+from tiledispatch.spec.key import Epilogue
 
 # (G, C/G, K/G): a partial lane block, partial GEMM tiles
 KINDS = {"dense": (1, 32, 48), "dense_wide": (1, 96, 136), "g16": (4, 16, 16), "g64": (2, 64, 64), "g4": (32, 4, 4), "depthwise": (96, 1, 1),
@@ -51,27 +57,36 @@ def filter_of(key, rank) -> tuple[int, ...]:
     return (fx,) if rank == 1 else filt[:-2] + (fy, fx)
 
 
-def make_case(rng, direction, rank, kind, geometry, dtype, filt=None):
+def make_case(rng, direction, rank, kind, geometry, dtype, filt=None, epilogue=Epilogue()):
+    """A problem, its host data (with a fused epilogue's random bias and residuals) and the float64 reference."""
     n, in_size, default_filt = SIZES[rank]
     filt = filt or default_filt
     g, cg, kg = KINDS[kind]
     stride, dilation, pad_lo, pad_hi = (v[-rank:] for v in GEOMETRIES[geometry])
     p = conv.ConvProblem(direction, n, g, g * cg, g * kg, in_size, filt, stride, dilation, pad_lo, pad_hi,
-                         dtype, dtype, dtype)
+                         dtype, dtype, dtype, epilogue=epilogue)
     host, expect = validation.conv_case(p, rng)
     return p, host, expect
+
+
+def _device(a, dtype: str):
+    return torch.from_numpy(a.astype(np.float32)).to("cuda", TORCH_DTYPE[dtype])
 
 
 def to_device(host: dict, dtype: str, written: str) -> dict:
     dev = {}
     for role, a in host.items():
-        t = torch.from_numpy(a.astype(np.float32)).to("cuda", TORCH_DTYPE[dtype])
+        if role == "residuals":
+            dev[role] = tuple(_device(r, dtype) for r in a)
+            continue
+        t = _device(a, dtype)
         dev[role] = t.fill_(float("nan")) if role == written else t
     return dev
 
 
 def run_kernel(kern, p, dev, alpha=1.0, beta=0.0) -> np.ndarray:
-    launch = ConvLauncher(kern, p, dev["x"], dev["w"], dev["y"], alpha=alpha, beta=beta)
+    launch = ConvLauncher(kern, p, dev["x"], dev["w"], dev["y"], alpha=alpha, beta=beta, bias=dev.get("bias"),
+                          residuals=dev.get("residuals", ()), clamp=validation.VALIDATION_CLAMP)
     status, reason = launch.can_run()
     if status != abi.OK:
         raise RuntimeError(f"refused: {reason}")
@@ -102,7 +117,8 @@ def check_kernels(registries, cases_cache, rng) -> list[dict]:
             t0 = time.time()
             fails = 0
             for kind, geometry in itertools.product(kind_of(kern.key), GEOMETRIES):
-                ck = (sig.direction, sig.spatial_dims, kind, geometry, sig.dtype_a, filter_of(kern.key, sig.spatial_dims))
+                ck = (sig.direction, sig.spatial_dims, kind, geometry, sig.dtype_a, filter_of(kern.key, sig.spatial_dims),
+                      sig.epilogue)
                 if ck not in cases_cache:
                     cases_cache[ck] = make_case(rng, *ck)
                 p, host, expect = cases_cache[ck]
@@ -128,21 +144,30 @@ def check_kernels(registries, cases_cache, rng) -> list[dict]:
             kind = kind_of(kern.key)[0]
             geometry = "s2d1"
             filt = filter_of(kern.key, sig.spatial_dims)
-            p, host, expect = cases_cache[(sig.direction, sig.spatial_dims, kind, geometry, sig.dtype_a, filt)]
+            p, host, expect = cases_cache[(sig.direction, sig.spatial_dims, kind, geometry, sig.dtype_a, filt, sig.epilogue)]
             if expected_refusal(kern.key, p):
                 geometry = "s1d1"
-                p, host, expect = cases_cache[(sig.direction, sig.spatial_dims, kind, geometry, sig.dtype_a, filt)]
+                p, host, expect = cases_cache[(sig.direction, sig.spatial_dims, kind, geometry, sig.dtype_a, filt,
+                                               sig.epilogue)]
             written = conv.WRITES[p.direction]
             host2 = dict(host)
             host2[written] = validation.random_array(rng, host[written].shape, sig.dtype_a)
-            dev = {role: torch.from_numpy(a.astype(np.float32)).to("cuda", TORCH_DTYPE[sig.dtype_a])
-                   for role, a in host2.items()}
+            dev = to_device(host2, sig.dtype_a, None)
             old = dev[written].double().cpu().numpy()
+            # tma_ws_conv adds a residual as CUTLASS's C operand and refuses beta != 0 next to it
+            beta = 0.0 if sig.epilogue.residuals and kern.key.algorithm.pipeline == "tma_ws_conv" else -1.25
             entry = {"kernel": kern.name, "problem": str(p), "kind": kind, "geometry": geometry, "alpha": 0.75,
-                     "beta": -1.25}
+                     "beta": beta}
             try:
-                out = run_kernel(kern, p, dev, alpha=0.75, beta=-1.25)
-                entry.update(validation.compare(out, 0.75 * expect - 1.25 * old, kern.key))
+                out = run_kernel(kern, p, dev, alpha=0.75, beta=beta)
+                if sig.epilogue != Epilogue():  # the epilogue applies to alpha * conv + beta * old
+                    want = reference.conv_fwd_fused(
+                        host["x"], host["w"], p.stride, p.dilation, p.pad_lo, p.pad_hi, y=old, bias=host.get("bias"),
+                        residuals=host.get("residuals", ()), alpha=0.75, beta=beta, activation=sig.epilogue.activation,
+                        clamp=validation.VALIDATION_CLAMP)
+                else:
+                    want = 0.75 * expect - 1.25 * old
+                entry.update(validation.compare(out, want, kern.key))
             except Exception as e:  # noqa: BLE001
                 entry.update(passed=False, error=str(e)[:400])
             fails += not entry["passed"]
@@ -356,6 +381,97 @@ def check_pointwise(registries) -> list[dict]:
     return results
 
 
+TORCH_ACTIVATIONS = {
+    "identity": lambda v: v, "relu": torch.relu, "gelu_tanh": lambda v: torch.nn.functional.gelu(v, approximate="tanh"),
+    "gelu_erf": torch.nn.functional.gelu, "silu": torch.nn.functional.silu, "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh, "clamp": lambda v: v.clamp(*validation.VALIDATION_CLAMP)}
+
+
+def _fused_call(reg, epi: Epilogue, p, gen, geo: dict, key) -> dict:
+    """reg.conv_fwd with the epilogue on random torch channels_last tensors ([N, C, sp...] form, bias [K],
+    residuals like y), through the runtime's own selection; the verdict against torch in float32, and which op ran
+    (a pointwise layer must run on a GEMM kernel)."""
+    rank = p.spatial_dims
+    td = TORCH_DTYPE[p.dtype_x]
+
+    def logical(shape, role):  # channels-last memory in the frameworks' form
+        if role == "w":
+            lead, chan, sp = shape[0] * shape[1], shape[-1], shape[2:-1]
+        else:
+            lead, chan, sp = shape[0], shape[-2] * shape[-1], shape[1:-2]
+        t = (torch.rand((lead, *sp, chan), generator=gen, device="cuda") - 0.5).to(td)
+        return t.permute(0, rank + 1, *range(1, rank + 1))
+
+    shapes = p.shapes()
+    x, w, y = (logical(shapes[r], r) for r in ("x", "w", "y"))
+    bias = ((torch.rand(p.k, generator=gen, device="cuda") - 0.5).to(td)) if epi.bias else None
+    residuals = tuple(logical(shapes["y"], "y") for _ in range(epi.residuals))
+    y.fill_(float("nan"))
+    ran = []
+    real = reg._launch
+    reg._launch = lambda prob, *a, **kw: ran.append(prob.op) or real(prob, *a, **kw)
+    try:
+        options = dict(geo, bias=bias, residuals=residuals, activation=epi.activation)
+        if epi.activation == "clamp":
+            options["clamp"] = validation.VALIDATION_CLAMP
+        reg.conv_fwd(x, w, y, **options)
+        torch.cuda.synchronize()
+    finally:
+        del reg._launch
+    ref = torch_reference("fwd", x, w, None, geo["stride"], geo["dilation"], geo["pad_lo"], geo["pad_hi"], geo["groups"])
+    if bias is not None:
+        ref = ref + bias.float().reshape(1, -1, *(1,) * rank)
+    for r in residuals:
+        ref = ref + r.float()
+    ref = TORCH_ACTIVATIONS[epi.activation](ref)
+    return {**_against(y, ref, key), "ran": ran}  # key: one that fuses the epilogue, for the dtype's tolerance
+
+
+def check_fused_selection(registries) -> list[dict]:
+    """Each fused epilogue of a bundle's conv kernels through the runtime's own selection, on the kinds and filter of
+    the kernels that fuse it (dense 3x3, depthwise with the compile-time filter, a C = 3 stem), and each epilogue of
+    its GEMM kernels on a pointwise layer, which must run on a GEMM kernel."""
+    results = []
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    for reg in registries:
+        cases = {}
+        for kern in reg.kernels:
+            sig, alg = kern.key.signature, kern.key.algorithm
+            if sig.epilogue == Epilogue() or (sig.op == "conv" and sig.direction != "fwd"):
+                continue
+            if sig.op == "gemm":  # pointwise: 1x1, unit stride, no padding, fp16
+                if sig.dtype_a == "fp16" and sig.layout == "rcr":
+                    cases[("pointwise", sig.epilogue)] = (2, 1, 96, 136, (19, 23), (1, 1), "s1d1", kern.key)
+                continue
+            if sig.spatial_dims != 2:
+                continue
+            filt = filter_of(kern.key, 2)
+            for kind in kind_of(kern.key)[:1]:
+                g, cg, kg = KINDS[kind]
+                cases[(kind, sig.epilogue, filt, sig.dtype_a)] = (2, g, g * cg, g * kg, (19, 23), filt, "s2d1", kern.key)
+            if alg.extra("cutlass.align", 0):  # the generic kernel: a stem with C = 3
+                cases[("stem", sig.epilogue, sig.dtype_a)] = (2, 1, 3, 64, (29, 31), (7, 7), "s2d1", kern.key)
+        for label, (n, g, c, k, sp, filt, geometry, key) in cases.items():
+            epi = label[1]
+            stride, dilation, pad_lo, pad_hi = (v[-2:] for v in GEOMETRIES[geometry])
+            if label[0] == "pointwise":
+                stride, dilation, pad_lo, pad_hi = (1, 1), (1, 1), (0, 0), (0, 0)
+            dtype = label[-1] if label[0] != "pointwise" else "fp16"
+            p = conv.ConvProblem("fwd", n, g, c, k, sp, filt, stride, dilation, pad_lo, pad_hi, dtype, dtype, dtype)
+            geo = dict(stride=stride, dilation=dilation, pad_lo=pad_lo, pad_hi=pad_hi, groups=g)
+
+            def check(entry, p=p, epi=epi, geo=geo, key=key, pointwise=label[0] == "pointwise"):  # called at once
+                result = _fused_call(reg, epi, p, gen, geo, key)
+                entry["ran"] = result.pop("ran")
+                if pointwise:
+                    result["passed"] = result["passed"] and entry["ran"] == ["gemm"]
+                return result
+
+            attempt({"selection": True, "fused": True, "problem": f"{p} epilogue {epi}"}, check, results,
+                    f"fused {label[0]} {epi}")
+    return results
+
+
 def _against(out, ref, key) -> dict:
     """validation.compare's verdict for a torch output against a torch reference: finite and within the
     kernel's tolerance."""
@@ -406,6 +522,7 @@ def main() -> int:
     results += check_splits(registries, rng)
     results += check_selection(registries)
     results += check_pointwise(registries)
+    results += check_fused_selection(registries)
     results += check_refusals(registries)
     failed = [r for r in results if not r["passed"]]
     kernels = {r["kernel"] for r in results if "kernel" in r and not r.get("selection") and not r.get("refusal")}

@@ -20,6 +20,7 @@ from tiledispatch import backends
 from tiledispatch.generator import toolchains
 from tiledispatch.errors import InvalidInputError, UnsupportedProblemError
 from tiledispatch.ops import conv
+from tiledispatch.spec.key import Epilogue
 
 ARCH = backends.get("cpu").detect_arch()
 cpu = toolchains.get("cpu")
@@ -138,7 +139,7 @@ def test_alpha_beta(conv_registry, direction, rank, dtype, pipeline):
 def test_essential_kernels(conv_registry, direction):
     """Every kernel of conv_fp16_all_essential, on problems that span several of its (large) blocks."""
     kernels = [k for k in conv_registry.kernels if k.origin.startswith(f"preselected/{ESSENTIAL}")
-               and k.key.signature.direction == direction]
+               and k.key.signature.direction == direction and k.key.signature.epilogue == Epilogue()]
     assert len(kernels) == 9
     rng = np.random.default_rng(11)
     failures = []
@@ -150,6 +151,35 @@ def test_essential_kernels(conv_registry, direction):
         for kind, geometry in kinds:
             p, data, expect = make_case(rng, direction, rank, kind, geometry, "fp16", n_scale=4)
             out = run(conv_registry, direction, data, p, kernel=kern)
+            result = validation.compare(out, expect, kern.key)
+            if not result["passed"]:
+                failures.append(f"{kern.name} {p}: {result}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.slow
+def test_essential_fused_kernels(conv_registry):
+    """The fused forward epilogues of conv_fp16_all_essential (bias, relu, relu + residual, clamp) with random bias
+    and residuals, the output poisoned, against the float64 reference."""
+    kernels = [k for k in conv_registry.kernels if k.origin.startswith(f"preselected/{ESSENTIAL}")
+               and k.key.signature.epilogue != Epilogue()]
+    assert len(kernels) == 7
+    rng = np.random.default_rng(12)
+    failures = []
+    for kern in kernels:
+        epi = kern.key.signature.epilogue
+        kinds = (("g4", "s1d1"), ("depthwise", "s2d2")) if kern.key.algorithm.pipeline == "direct" else \
+            (("dense", "mixed"), ("g16", "s2d1"))
+        for kind, geometry in kinds:
+            n, in_size, filt = SIZES[2]
+            g, cg, kg = KINDS[kind]
+            stride, dilation, pad_lo, pad_hi = (v[:2] for v in GEOMETRIES[geometry])
+            p = conv.ConvProblem("fwd", 2 * n, g, g * cg, g * kg, in_size, filt, stride, dilation, pad_lo, pad_hi,
+                                 "fp16", "fp16", "fp16", epilogue=epi)
+            data, expect = validation.conv_case(p, rng)
+            clamp = {"clamp": validation.VALIDATION_CLAMP} if epi.activation == "clamp" else {}
+            out = run(conv_registry, "fwd", data, p, kernel=kern, bias=data.get("bias"),
+                      residuals=data.get("residuals", ()), activation=epi.activation, **clamp)
             result = validation.compare(out, expect, kern.key)
             if not result["passed"]:
                 failures.append(f"{kern.name} {p}: {result}")
@@ -348,9 +378,13 @@ def test_conv_epilogues_are_a_named_rule():
     from tiledispatch.generator import rules
     from tiledispatch.spec.key import Algorithm, Epilogue, KernelKey, Signature
 
-    key = KernelKey(Signature("conv", "fp16", "fp16", "fp16", "fp32", "nhwgc", Epilogue("relu"), "fwd", 2),
-                    Algorithm((64, 64, 256), "packed", mma=(4, 32, 1)), "cpu", "x86v4")
-    assert [v.rule for v in rules.check(key)] == ["cpu.conv_epilogue"]
+    def key(direction):
+        return KernelKey(Signature("conv", "fp16", "fp16", "fp16", "fp32", "nhwgc", Epilogue("relu"), direction, 2),
+                         Algorithm((64, 64, 256), "packed", mma=(4, 32, 1)), "cpu", "x86v4")
+
+    assert rules.check(key("fwd")) == []  # fused forward epilogues (tests/test_conv_epilogue.py)
+    for direction in ("bwd_data", "bwd_weight"):
+        assert [v.rule for v in rules.check(key(direction))] == ["cpu.conv_epilogue"]
 
 
 @pytest.mark.parametrize("direction", DIRECTIONS)

@@ -69,8 +69,10 @@ def test_legal_keys_pass_and_round_trip(k):
     (key(stages=9), "cutlass.conv_sm90_smem"),
     (key(tile=(128, 128, 64), stages=8), "cutlass.conv_sm90_smem"),
     (key(scheduler="persistent"), "cutlass.conv_scheduler"),
-    (key(epi=Epilogue("relu")), "cutlass.conv_epilogue"),
-    (key(epi=Epilogue(bias=True)), "cutlass.conv_epilogue"),
+    (key("bwd_data", epi=Epilogue("relu")), "cutlass.conv_epilogue"),       # fused epilogues: forward only
+    (key("bwd_weight", epi=Epilogue(bias=True)), "cutlass.conv_epilogue"),
+    (key(epi=Epilogue("relu", True, 2)), "cutlass.conv_sm90_residual"),      # the residual is CUTLASS's C
+    (key(epi=Epilogue("relu", True, 3)), "cutlass.conv_epilogue_residuals"),
     (key(extras=(("cutlass.cpg", 4), ("cutlass.kpg", 4))), "cutlass.conv_extras"),
     (key(extras=(("cutlass.occupancy", 2),)), "cutlass.conv_occupancy"),              # stages 0 fill the SM
     (key(stages=4, extras=(("cutlass.occupancy", 4),)), "cutlass.conv_occupancy"),
@@ -218,9 +220,12 @@ def test_preselected_sets_have_every_direction_and_rank():
         keys = [e.key for e in kernelset.load([name], "cutlass", "sm90a") if e.key.algorithm.pipeline == "tma_ws_conv"]
         have = {(k.signature.direction, k.signature.spatial_dims) for k in keys}
         assert have == {(d, r) for d in directions for r in (1, 2, 3)}, name
-        # each costs ~60 s and ~3.3 GB of nvcc: keep the sets small
+        # each costs ~60 s and ~3.3 GB of nvcc: keep the sets small (fused forward epilogues: on two 2D tiles)
+        plain = [k for k in keys if k.signature.epilogue == Epilogue()]
         for d in directions:
-            assert sum(k.signature.direction == d for k in keys) <= (10 if d == "bwd_weight" else 7), (name, d)
+            assert sum(k.signature.direction == d for k in plain) <= (10 if d == "bwd_weight" else 7), (name, d)
+        fused = {k for k in keys if k.signature.epilogue != Epilogue()}
+        assert len(fused) <= 6 and all(k.signature.direction == "fwd" for k in fused), name
 
 
 # ---- selection --------------------------------------------------------------------------------------
