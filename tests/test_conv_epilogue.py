@@ -266,3 +266,20 @@ def test_pointwise_fused_conv_runs_on_gemm_kernels(reg):
     finally:
         del reg._launch
     assert used == ["gemm"]  # once: the second call replayed the cached GEMM launch
+
+
+def test_plan_takes_the_epilogue_operands(reg):
+    """A Plan of a fused problem: bias and residuals in its tensors dict, clamp among its scalars; new arrays of the
+    same layout swap pointers, and a missing residual is refused by the full checks."""
+    rng = np.random.default_rng(10)
+    epi = Epilogue("clamp", True, 1)
+    p, data, _ = case(rng, "fp32", 1, 12, 20, epilogue=epi)
+    plan = reg.plan(p, clamp=(-0.1, 0.2))
+    for _ in range(2):
+        _, data, _ = case(rng, "fp32", 1, 12, 20, epilogue=epi)
+        plan({"x": data["x"], "w": data["w"], "y": data["y"], "bias": data["bias"], "residuals": data["residuals"]})
+        want = reference.conv_fwd_fused(data["x"], data["w"], *GEO_REF, bias=data["bias"],
+                                        residuals=data["residuals"], activation="clamp", clamp=(-0.1, 0.2))
+        check(data["y"], want, "fp32")
+    with pytest.raises(InvalidInputError, match="the tensors describe"):
+        plan({"x": data["x"], "w": data["w"], "y": data["y"], "bias": data["bias"]})
