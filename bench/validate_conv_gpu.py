@@ -500,7 +500,7 @@ def check_refusals(registries) -> list[dict]:
                 p = conv.ConvProblem(sig.direction, 1, g, c, k, (9,) * sig.spatial_dims, (3,) * sig.spatial_dims, 1,
                                      1, 1, 1, sig.dtype_a, sig.dtype_a, sig.dtype_a)
                 status, reason = kern.library.can_run(conv.make_args(p, kern.key))
-                if backends.family_of(kern.key).refusal(p, kern.key) is None:
+                if backends.family_of(kern.key).module.refusal(p, kern.key) is None:
                     ok = status == abi.OK
                 else:
                     ok = status == abi.UNSUPPORTED and want in reason
