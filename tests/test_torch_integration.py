@@ -295,14 +295,16 @@ def test_fake_implementations_match_the_real_outputs(reg):
     h = tdt.register(reg)
     x, w, b, geo, (lo, hi) = conv_case("2d_grouped")
     s, d, gr = list(geo["stride"]), list(geo["dilation"]), geo["groups"]
-    y = torch.ops.tiledispatch.conv_fwd(x, w, b, s, d, list(lo), list(hi), gr, h)
+    y = torch.ops.tiledispatch.conv_fwd(x, w, b, [], "identity", float("-inf"), float("inf"), s, d, list(lo),
+                                        list(hi), gr, h)
     dx = torch.ops.tiledispatch.conv_bwd_data(y, w, list(x.shape[2:]), s, d, list(lo), list(hi), gr, h)
     dw = torch.ops.tiledispatch.conv_bwd_weight(x, y, list(w.shape[2:]), s, d, list(lo), list(hi), gr, h)
     a, bb = rand(5, 7), rand(3, 7, 4)[0]
     mm = torch.ops.tiledispatch.gemm(a, bb, None, [], "identity", float("-inf"), float("inf"), h)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fx, fw, fb, fy, fa, fbb = (mode.from_tensor(t) for t in (x, w, b, y, a, bb))
-        fakes = [torch.ops.tiledispatch.conv_fwd(fx, fw, fb, s, d, list(lo), list(hi), gr, h),
+        fakes = [torch.ops.tiledispatch.conv_fwd(fx, fw, fb, [], "identity", float("-inf"), float("inf"), s, d,
+                                                 list(lo), list(hi), gr, h),
                  torch.ops.tiledispatch.conv_bwd_data(fy, fw, list(x.shape[2:]), s, d, list(lo), list(hi), gr, h),
                  torch.ops.tiledispatch.conv_bwd_weight(fx, fy, list(w.shape[2:]), s, d, list(lo), list(hi), gr, h),
                  torch.ops.tiledispatch.gemm(fa, fbb, None, [], "identity", float("-inf"), float("inf"), h)]
