@@ -60,7 +60,8 @@ from .ops.gemm import GemmProblem
 from .registry import NO_CLAMP, Registry
 from .spec.key import ACTIVATIONS, Epilogue
 
-__all__ = ["register", "registry_of", "linear", "matmul", "conv", "patch", "unpatch", "PatchReport", "LayerReport"]
+__all__ = ["register", "registry_of", "linear", "matmul", "conv", "patch", "unpatch", "PatchReport", "LayerReport",
+           "fuse", "FuseReport", "FusedLayer", "FusedConv", "FusedLinear"]
 
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "int8",
            torch.float64: "fp64"}  # fp64: a dtype tiledispatch knows, which a bundle may lack (a clear refusal)
@@ -1126,3 +1127,8 @@ def _conv_kernel_name(handle: int, problem: ConvProblem) -> str:
         except UnsupportedProblemError:
             pass
     return _select_name(handle, problem)
+
+
+# fuse(): whole layers (conv -> batch norm -> residual -> activation, linear -> activation) as single calls; it
+# builds on everything above, so it is imported last
+from .torch_fusion import FusedConv, FusedLayer, FusedLinear, FuseReport, fuse  # noqa: E402
