@@ -60,6 +60,8 @@ def _torch_activation(y: torch.Tensor, activation: str, clamp: tuple) -> torch.T
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype a tiledispatch call computes x's layer in: autocast's where it applies (tdt._autocast)."""
+    if not tdt._any_autocast():
+        return x.dtype
     device = x.device.type
     if x.is_floating_point() and x.dtype != torch.float64 and torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
@@ -101,8 +103,11 @@ class FusedConv(nn.Module):
         if residual is None:
             return tdt._conv(x, self.weight, self.bias, self.stride, self.dilation, self.pad_lo, self.pad_hi,
                              self.groups, self.handle, geo, (), self.activation, self.clamp)
-        shape = (x.shape[0], self.weight.shape[0], *tdt._out_size(x.shape[2:], self.weight.shape[2:], self.stride,
-                                                                  self.dilation, self.pad_lo, self.pad_hi))
+        if geo is not None:  # eager: the geometry's memo of output shapes
+            shape = geo.fwd_shape(x, self.weight)
+        else:
+            shape = (x.shape[0], self.weight.shape[0], *tdt._out_size(x.shape[2:], self.weight.shape[2:], self.stride,
+                                                                      self.dilation, self.pad_lo, self.pad_hi))
         if residual.shape == shape and residual.dtype == _compute_dtype(x):
             return tdt._conv(x, self.weight, self.bias, self.stride, self.dilation, self.pad_lo, self.pad_hi,
                              self.groups, self.handle, geo, (residual,), self.activation, self.clamp)
