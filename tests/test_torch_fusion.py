@@ -583,3 +583,42 @@ def test_compile_fullgraph_of_a_fused_model(reg, mode):
     forward, backward = ({str(n.target) for n in g} for g in graphs)
     assert "tiledispatch.conv_fwd.default" in forward
     assert {"tiledispatch.conv_bwd_data.default", "tiledispatch.conv_bwd_weight.default"} <= backward
+
+
+# -- GPU: a fused model in fp16 on the bundle, eager and captured in a CUDA graph ----------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("cls", [TinyResNet, TinyMobileNet, TinyConvNeXt])
+def test_gpu_fused_model_matches_eager_and_replays_in_a_cuda_graph(cls):
+    """Needs $TD_TORCH_BUNDLE (a cutlass bundle with fp16 GEMM and conv kernels, as test_torch_integration's GPU
+    tests): the fused fp16 channels-last model against the unfused eager model (ten times the fp16 kernel
+    tolerance: a whole model), and its CUDA-graph replay against its own eager output."""
+    import os
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    path = os.environ.get("TD_TORCH_BUNDLE")
+    if not path:
+        pytest.skip("set TD_TORCH_BUNDLE to a cutlass bundle with fp16 GEMM and conv kernels")
+    reg = td.load(path)
+    model = make(cls).cuda().half().to(memory_format=torch.channels_last).eval().requires_grad_(False)
+    fused, report = tdt.fuse(model, reg)
+    assert report.fused and not report.patch.unsupported, str(report)
+    static_x = rand(8, 3, 32, 32, seed=30, dtype=torch.float16).cuda().contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        ref, out = model(static_x), fused(static_x)
+    assert rel_err(out, ref) < 2e-2, str(report)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():  # warm-up: selections, plans and workspaces on this stream
+        for _ in range(2):
+            fused(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side), torch.no_grad():
+        static_out = fused(static_x)
+    static_x.copy_(rand(8, 3, 32, 32, seed=31, dtype=torch.float16).cuda())
+    graph.replay()
+    with torch.no_grad():
+        want = fused(static_x)
+    torch.cuda.synchronize()
+    assert rel_err(static_out, want) < 1e-3
