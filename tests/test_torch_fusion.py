@@ -413,6 +413,12 @@ def test_fuse_resnet_blocks_in_eval_mode(reg):
     with torch.no_grad():
         out, ref = fused(x), twin(x)
     assert rel_err(out, ref) < MODEL_TOL
+    # eval mode with gradients (frozen batch norms): the input's gradient is the unfused model's
+    xs, xr = leaf(x), leaf(x)
+    fused(xs).square().sum().backward()
+    twin(xr).square().sum().backward()
+    assert rel_err(xs.grad, xr.grad) < GRAD_TOL
+    assert all(p.grad is not None for p in fused.parameters())  # the folded layers' own parameters train
     # the model passed in is unchanged, and a fused-with-folding model refuses to train
     assert all(a is not b and torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                                                  twin.state_dict().values()))

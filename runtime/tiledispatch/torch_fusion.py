@@ -461,8 +461,11 @@ class _Pass:
         anchor, last = nodes[0], nodes[-1]
         if kind == "conv":
             if bn is not None:
+                # the folded layer's own parameters (as torch.ao's eval-mode fusion makes them): they require grad
+                # where the conv's weight did, so a model fine-tuned with frozen batch norms still trains
                 w, b = _fold_bn(m, bn)
-                weight, bias = nn.Parameter(w, requires_grad=False), nn.Parameter(b, requires_grad=False)
+                grad = m.weight.requires_grad
+                weight, bias = nn.Parameter(w, requires_grad=grad), nn.Parameter(b, requires_grad=grad)
             else:
                 weight, bias = m.weight, m.bias
             fused = FusedConv(m, weight, bias, handle=self.handle, residual=residual is not None,
