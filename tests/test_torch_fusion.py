@@ -34,7 +34,7 @@ groups:
     op: conv
     direction: [fwd, bwd_data, bwd_weight]
     spatial_dims: 2
-    dtype: fp32
+    dtype: [fp32, fp16]
     layout: nhwgc
     pipeline: packed
     tile: [16, 16, 24]
@@ -79,7 +79,8 @@ MODEL_TOL = 2e-5  # a fused float32 model against the unfused eager float32 mode
 
 @pytest.fixture(scope="module")
 def reg(tmp_path_factory):
-    return build_cpu_bundle(tmp_path_factory.mktemp("fusion_build"), "fusion_test", FUSION_SET)
+    # fp16: the essential GEMM set's kernels (rcr: plain, relu + bias, gelu_tanh + bias), for pointwise convs
+    return build_cpu_bundle(tmp_path_factory.mktemp("fusion_build"), "fusion_test", FUSION_SET, "fp16_rcr_essential")
 
 
 @pytest.fixture(scope="module")
@@ -224,6 +225,37 @@ def test_conv_epilogue_fake_implementation_and_operator(reg):
         fake = torch.ops.tiledispatch.conv_fwd(*(mode.from_tensor(t) for t in (x, w, b)), [mode.from_tensor(r)],
                                                "clamp", -0.3, 0.4, *args)
     assert (fake.shape, fake.stride(), fake.dtype) == (y.shape, y.stride(), y.dtype)
+
+
+def test_pointwise_conv_epilogue_runs_on_a_fused_gemm_kernel(reg, monkeypatch):
+    """A 1x1 fp16 conv (a GEMM over pixels; fp32 convs stay on conv kernels, as ops/conv_as_gemm.py keeps them)
+    takes its epilogue into one call of a GEMM kernel fusing it: bias + relu fused, a residual through beta * C;
+    relu after a residual has no GEMM kernel in fp16_rcr_essential: the conv path."""
+    calls = []
+    original = Registry.gemm
+
+    def spy(self, a, b, out=None, **kw):
+        calls.append((kw.get("activation"), kw.get("bias") is not None, bool(kw.get("beta"))))
+        return original(self, a, b, out, **kw)
+
+    monkeypatch.setattr(Registry, "gemm", spy)
+    h = torch.float16
+    x = rand(2, 12, 5, 7, seed=40, dtype=h).contiguous(memory_format=torch.channels_last)
+    w, b, r = rand(16, 12, 1, 1, seed=41, dtype=h), rand(16, seed=42, dtype=h), rand(2, 16, 5, 7, seed=43, dtype=h)
+    cases = (("relu", (), ("relu", True, False)), ("identity", (r,), ("identity", False, True)),
+             ("relu", (r,), None))
+    for activation, residuals, want in cases:
+        calls.clear()
+        xs, ws, bs = leaf(x), leaf(w), leaf(b)
+        out = tdt.conv(xs, ws, bs, registry=reg, residuals=residuals, activation=activation)
+        assert calls[:1] == ([want] if want else []), (activation, calls)
+        ref = TORCH_ACT[activation](F.conv2d(x.double(), w.double(), b.double()) + sum(t.double() for t in residuals))
+        assert rel_err(out, ref) < 2e-3 and tdt._is_channels_last(out) and out.dtype == h
+        out.backward(torch.ones_like(out))
+        xr, wr, br = leaf(x.double()), leaf(w.double()), leaf(b.double())
+        TORCH_ACT[activation](F.conv2d(xr, wr, br) + sum(t.double() for t in residuals)).sum().backward()
+        for mine, theirs in ((xs, xr), (ws, wr), (bs, br)):
+            assert rel_err(mine.grad, theirs.grad) < 1e-2, activation
 
 
 # -- conv epilogues: fused conv kernels (where the backend builds them) ---------------------------------------

@@ -419,8 +419,9 @@ def _conv_fwd_run(x, w, geo: _Geometry, handle: int):
 
 def _conv_fwd_epilogue_run(x, w, bias, residuals, activation: str, clamp: tuple, geo: _Geometry, handle: int):
     """act(conv(x, w) + bias + sum(residuals)) on the bundle: one call of a conv kernel fusing that epilogue where
-    one runs the problem, else the plain conv kernel with bias and residuals added through beta * Y (Y holding
-    their sum first) and the activation applied by torch, in place."""
+    one runs the problem; for a pointwise problem, else one call of a GEMM kernel fusing it (as ops/conv_as_gemm.py
+    lowers the plain problem); else the plain conv kernel with bias and residuals added through beta * Y (Y
+    holding their sum first) and the activation applied by torch, in place."""
     dtype = x.dtype
     for role, t in (("w", w), ("bias", bias), *((f"residual {i}", r) for i, r in enumerate(residuals))):
         if t is not None and t.dtype != dtype:
@@ -437,9 +438,12 @@ def _conv_fwd_epilogue_run(x, w, bias, residuals, activation: str, clamp: tuple,
                                     f"output's)")
     reg = _registry_for(handle, x)
     y = _new_channels_last(shape, x)
-    if _conv_fuses(handle, x, w, geo, activation, bias is not None, len(residuals)):
+    route = _conv_route(handle, x, w, geo, activation, bias is not None, len(residuals))
+    if route == "conv":
         return reg.conv_fwd(x, w, y, **geo.options[0.0], bias=bias, residuals=tuple(map(_channels_last, residuals)),
                             activation=activation, clamp=clamp)
+    if route == "gemm":
+        return _pointwise_gemm(reg, handle, x, w, bias, residuals, activation, clamp, y)
     if bias is None and not residuals:
         conv_op.run(reg, "fwd", x, w, y, y, geo.options[0.0], geo.keys[0.0])
     else:  # y = conv + 1 * y, y holding bias + residuals first: the adds happen in the kernel's epilogue
@@ -472,30 +476,63 @@ def _activate_(y: torch.Tensor, activation: str, clamp: tuple) -> torch.Tensor:
     return torch.ops.aten.silu_(y)
 
 
-_CONV_ROUTES: dict = {}  # (handle, dtype, shapes, geometry, epilogue) -> whether a fused conv kernel runs it
+_CONV_ROUTES: dict = {}  # (handle, dtype, shapes, geometry, epilogue) -> "conv", "gemm" or None (see below)
 
 
-def _conv_fuses(handle: int, x, w, geo: _Geometry, activation: str, bias: bool, residuals: int) -> bool:
-    """Whether a conv kernel of the bundle computes this epilogue for this problem (its can-run answer, cached
-    per problem)."""
+def _conv_route(handle: int, x, w, geo: _Geometry, activation: str, bias: bool, residuals: int) -> Optional[str]:
+    """How a conv with this epilogue runs (cached per problem): "conv" where a conv kernel of the bundle fusing it
+    runs the problem (its can-run answer); "gemm" for a pointwise dense problem whose GEMM (pixels x channels)
+    a GEMM kernel runs with the epilogue (bias and residuals fused or through beta * C, the activation fused);
+    None: the plain conv kernel, bias and residuals through beta * Y, torch's activation."""
     key = (handle, x.dtype, x.shape, w.shape, geo.stride, geo.dilation, geo.pad_lo, geo.pad_hi, geo.groups,
            activation, bias, residuals)
-    fused = _CONV_ROUTES.get(key)
-    if fused is None:
+    route = _CONV_ROUTES.get(key, False)
+    if route is False:
         dtype = _dtype_name(x, "x")
-        fused = False
-        if (geo.rank, dtype, activation, bias, residuals) in _CAPS[handle].conv_epilogues:
+        route = None
+        try:
+            problem = ConvProblem("fwd", x.shape[0], geo.groups, x.shape[1], w.shape[0], tuple(x.shape[2:]),
+                                  tuple(w.shape[2:]), geo.stride, geo.dilation, geo.pad_lo, geo.pad_hi, dtype, dtype,
+                                  dtype, epilogue=Epilogue(activation, bias, residuals))
+        except InvalidInputError:  # shapes the plain path's checks refuse, with their own message
+            problem = None
+        if problem is not None and (geo.rank, dtype, activation, bias, residuals) in _CAPS[handle].conv_epilogues \
+                and registry_of(handle).supports(problem):
+            route = "conv"
+        elif problem is not None and conv_as_gemm.applies(problem):
+            pixels = problem.n * math.prod(problem.in_size)
             try:
-                problem = ConvProblem("fwd", x.shape[0], geo.groups, x.shape[1], w.shape[0], tuple(x.shape[2:]),
-                                      tuple(w.shape[2:]), geo.stride, geo.dilation, geo.pad_lo, geo.pad_hi, dtype,
-                                      dtype, dtype, epilogue=Epilogue(activation, bias, residuals))
-                fused = registry_of(handle).supports(problem)
-            except InvalidInputError:  # shapes the plain path's checks refuse, with their own message
-                fused = False
+                _choose_route(handle, dtype, activation, bias, residuals, "r", "c", (1, pixels, problem.k, problem.c))
+                route = "gemm"
+            except UnsupportedProblemError:  # no GEMM kernel computes the activation
+                route = None
         if len(_CONV_ROUTES) >= _MEMO_SIZE:
             _CONV_ROUTES.clear()
-        _CONV_ROUTES[key] = fused
-    return fused
+        _CONV_ROUTES[key] = route
+    return route
+
+
+def _pointwise_gemm(reg, handle: int, x, w, bias, residuals, activation: str, clamp: tuple, y):
+    """y = act(x @ w^T + bias + sum(residuals)) over the pixels of a pointwise conv: channels-last x, y and
+    residuals are [pixels, channels] row-major matrices and a channels-last weight [K, C, 1...] a column-major
+    [C, K] one, all views (the GEMM path of _gemm_impl on them)."""
+    k, c = w.shape[0], w.shape[1]
+    a = x.movedim(1, -1).reshape(-1, c)
+    b = w.reshape(k, c).t()
+    out = y.movedim(1, -1).reshape(-1, k)
+    res = tuple(_channels_last(r).movedim(1, -1).reshape(-1, k) for r in residuals)
+    route = _gemm_route(handle, a, b, activation, bias is not None, len(res))
+    clamp = clamp if activation == "clamp" else NO_CLAMP
+    if route.copy_a:
+        a = _to_major(a, route.copy_a)
+    if route.copy_b:
+        b = _to_major(b, route.copy_b)
+    if route.fold:  # out = act(A @ B + 1 * C) with C = bias + residuals, written into out first
+        _fill_with_sum(out, bias, res)
+        reg.gemm(a, b, out, c=out, beta=1.0, activation=activation, clamp=clamp)
+    else:
+        reg.gemm(a, b, out, bias=bias, residuals=res, activation=activation, clamp=clamp)
+    return y
 
 
 def _conv_fwd_fake(x, w, bias, residuals, activation, clamp_low, clamp_high, stride, dilation, pad_lo, pad_hi, groups,
