@@ -424,6 +424,7 @@ def host_overhead(reg, device: str, dtype: torch.dtype, rounds: int, calls: int 
     xc = torch.randn(8, 32, 14, 14, device=dev).to(dtype).contiguous(memory_format=torch.channels_last)
     wc = torch.randn(32, 32, 3, 3, device=dev).to(dtype).contiguous(memory_format=torch.channels_last)
     yc = torch.empty(8, 32, 14, 14, device=dev, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    bc = torch.randn(32, device=dev).to(dtype)
     handle = tdt.register(reg)
     # layers without bias whose parameters need no grad (inference), one patched and one plain, same weights
     linears = [nn.Linear(256, 128, bias=False, device=dev, dtype=dtype).requires_grad_(False) for _ in range(2)]
@@ -445,6 +446,10 @@ def host_overhead(reg, device: str, dtype: torch.dtype, rounds: int, calls: int 
         "patched nn.Conv2d": lambda: convs[0](xc),
         "torch.nn.functional.conv2d": lambda: F.conv2d(xc, wc, padding=1),
         "torch nn.Conv2d": lambda: convs[1](xc),
+        # a conv with an epilogue (what tiledispatch.torch.fuse makes of conv -> bn -> relu)
+        "tiledispatch.torch.conv(bias, relu)": lambda: tdt.conv(xc, wc, bc, registry=handle, padding=1,
+                                                                activation="relu"),
+        "torch conv2d + relu": lambda: F.relu(F.conv2d(xc, wc, bc, padding=1)),
     }
     result = {}
     for name, fn in paths.items():
