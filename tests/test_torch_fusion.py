@@ -563,6 +563,26 @@ def test_fuse_inside_modules_fx_cannot_trace(reg):
             assert rel_err(fused(x), model(x)) < MODEL_TOL, sign
 
 
+def test_fuse_leaves_shared_and_tied_layers(reg):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.shared, self.tied, self.act = nn.Linear(6, 6), nn.Linear(6, 6), nn.ReLU()
+
+        def forward(self, x):
+            x = self.act(self.shared(self.act(self.shared(x))))   # one module, two calls
+            return F.linear(self.act(self.tied(x)), self.tied.weight)  # its weight read by the graph itself
+
+    model = make(Net).eval()
+    fused, report = tdt.fuse(model, reg)
+    assert not report.fused
+    assert [why.split(":")[0] for _, why in report.kept] == ["the module is called more than once"] * 2 + [
+        "the model reads the module's parameters itself (tied weights)"]
+    x = rand(3, 6, seed=29)
+    with torch.no_grad():
+        assert rel_err(fused(x), model(x)) < MODEL_TOL
+
+
 def test_fused_residual_that_broadcasts_is_added_by_torch(reg):
     class Net(nn.Module):
         def __init__(self):

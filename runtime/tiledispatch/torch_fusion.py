@@ -380,9 +380,12 @@ class _Pass:
     def rewrite(self, gm: fx.GraphModule, prefix: str) -> None:
         modules = dict(gm.named_modules())
         calls: dict = {}
+        read = set()  # modules whose parameters the graph reads itself (tied weights): a fused layer would change them
         for node in gm.graph.nodes:
             if node.op == "call_module":
                 calls[node.target] = calls.get(node.target, 0) + 1
+            elif node.op == "get_attr":
+                read.add(node.target.rpartition(".")[0])
         changed = False
         for node in list(gm.graph.nodes):
             if node.op != "call_module":
@@ -393,6 +396,10 @@ class _Pass:
                 continue
             if calls[node.target] > 1:
                 self.report.kept.append((_join(prefix, node.target), "the module is called more than once: not fused"))
+                continue
+            if node.target in read:
+                self.report.kept.append((_join(prefix, node.target), "the model reads the module's parameters itself "
+                                                                     "(tied weights): not fused"))
                 continue
             changed |= self.chain(gm, node, m, kind, modules, prefix)
         if changed:
