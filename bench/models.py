@@ -1,4 +1,4 @@
-"""Whole models through tiledispatch.torch.patch() against PyTorch eager and torch.compile, in one run.
+"""Whole models through tiledispatch.torch.patch() and fuse() against PyTorch eager and torch.compile, in one run.
 
     python bench/models.py --bundle BUNDLE [--quick] [--models resnet50_train,mobilenet_v2,...] [--out DIR]
     python bench/models.py --device cpu --tiny --bundle BUNDLE      # the same code on the cpu backend
@@ -7,13 +7,18 @@ Cases: a torchvision ResNet-50 training step (forward + backward, batch 32, 224^
 and ConvNeXt-T inference (batch 32), and the seven linear layers of a Llama-3-8B decoder layer (hidden 4096,
 q 4096, kv 1024, intermediate 14336; no bias) at prefill (2048 tokens) and decode (batch 1, 8, 32). The
 models run in half precision on the GPU (--dtype), float32 on the CPU. Variants, each run eagerly and captured
-in a CUDA graph (GPU only): PyTorch eager (cudnn.benchmark), torch.compile (Inductor, default mode) and the
-model patched with tiledispatch. The patched and compiled models' outputs (and, for the training step, every
-parameter's gradient) are compared with eager's as ||x - eager|| / ||eager||. The JSON records the machine,
-versions, the bundle, each variant's time (median of rounds of CUDA-event timing; eager variants include their
-host work), the patch report (kernels per layer; layers left on PyTorch and why), a per-layer comparison of
-the patched layers against PyTorch (each captured in a CUDA graph: kernel time without host work), and the
-host cost per call of the torch operators. A PNG plots the model times (matplotlib, when installed).
+in a CUDA graph (GPU only; a capture that fails is recorded as such, with its error): PyTorch eager
+(cudnn.benchmark), torch.compile (Inductor, default mode), the model patched with tiledispatch (tiledispatch)
+and the model fused by tiledispatch.torch.fuse (fused: batch norms folded and conv -> bn -> residual ->
+activation / linear -> activation chains in single calls for inference; in the training step batch norms stay
+PyTorch's, so little fuses). Every variant's output (and, for the training step, every parameter's gradient) is
+compared with eager's as ||x - eager|| / ||eager||, and the output against a tolerance: ten times the backend's
+per-kernel validation tolerance for the dtype (out_within_tolerance). The JSON records the machine, versions,
+the bundle, each variant's time (median of rounds of CUDA-event timing; eager variants include their host
+work), the patch report (kernels per layer; layers left on PyTorch and why), the fuse report (what was fused
+into what, what stayed and why), a per-layer comparison of the patched layers against PyTorch (each captured in
+a CUDA graph: kernel time without host work), and the host cost per call of the torch operators. A PNG plots
+the model times (matplotlib, when installed).
 
 Without torchvision (or with --tiny), small stand-ins with the same layer kinds replace the torchvision models.
 """
@@ -42,12 +47,13 @@ sys.path.insert(0, str(ROOT / "runtime"))
 
 import tiledispatch as td  # noqa: E402
 import tiledispatch.torch as tdt  # noqa: E402
+from tiledispatch import backends  # noqa: E402
 
 LLAMA = {"hidden": 4096, "q": 4096, "kv": 1024, "intermediate": 14336}
 TINY_LLAMA = {"hidden": 64, "q": 64, "kv": 16, "intermediate": 160}
 CASES = ("resnet50_train", "mobilenet_v2", "convnext_tiny", "llama3_8b_prefill2048", "llama3_8b_decode1",
          "llama3_8b_decode8", "llama3_8b_decode32")
-VARIANTS = ("eager", "compile", "tiledispatch")
+VARIANTS = ("eager", "compile", "tiledispatch", "fused")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -135,6 +141,29 @@ def build(case: str, tiny: bool, vision) -> tuple[nn.Module, tuple, bool, str]:
         model = {"resnet50_train": tiny_resnet, "mobilenet_v2": tiny_mobilenet, "convnext_tiny": tiny_convnext}[case]()
         what = f"stand-in for {case} (tiny{'' if vision is not None else ', torchvision not installed'})"
     return model, (batch, 3, size, size), case.endswith("_train"), what
+
+
+def calibrate_batch_norms(model: nn.Module, x: torch.Tensor) -> bool:
+    """Set the batch norms' running statistics from x (two train-mode passes, cumulative averages), as a trained
+    model has them: with the initial statistics (mean 0, variance 1) a randomly initialised MobileNetV2's eval-mode
+    output vanishes (about 1e-8 in float32, exactly 0 in fp16), and every comparison with it would pass. Whether
+    the model has batch norms."""
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if not norms:
+        return False
+    momenta = [m.momentum for m in norms]
+    was_training = model.training
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None
+    model.train()
+    with torch.no_grad():
+        for _ in range(2):
+            model(x)
+    for m, momentum in zip(norms, momenta):
+        m.momentum = momentum
+    model.train(was_training)
+    return True
 
 
 # -- timing ----------------------------------------------------------------------------------------------------
@@ -238,8 +267,9 @@ def zero_grads(model) -> None:
             p.grad.zero_()
 
 
-def compare(state: dict, ref: dict) -> dict:
-    result = {"out_rel_err": rel_err(state["out"], ref["out"])}
+def compare(state: dict, ref: dict, tolerance: float) -> dict:
+    err = rel_err(state["out"], ref["out"])
+    result = {"out_rel_err": err, "out_tolerance": tolerance, "out_within_tolerance": err <= tolerance}
     if "grads" in ref:
         errs = {n: rel_err(state["grads"][n], g) if n in state["grads"] else float("nan")
                 for n, g in ref["grads"].items()}
@@ -262,6 +292,8 @@ def run_case(case: str, a, reg, vision, timer: Timer) -> dict:
     gen = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(shape, generator=gen, device=device).to(dtype).contiguous(memory_format=fmt)
     result = {"model": what, "input": list(shape), "dtype": a.dtype, "training": training, "variants": {}}
+    if not training:  # inference: the batch norms hold statistics, which fuse() folds into the convs
+        result["batch_norms_calibrated"] = calibrate_batch_norms(base, x)
     gout = None
     if training:
         with torch.no_grad():
@@ -280,6 +312,18 @@ def run_case(case: str, a, reg, vision, timer: Timer) -> dict:
         result["patch_report"] = report.to_dict()
         result["unsupported_layers"] = [r.to_dict() for r in report.unsupported]
         models["tiledispatch"] = patched
+    if "fused" in a.variants:
+        try:
+            fused, freport = tdt.fuse(base, reg)  # a copy: base stays the reference
+            result["fuse_report"] = freport.to_dict()
+            models["fused"] = fused
+            print(f"  {case:26s} fuse: {len(freport.fused)} fused layer(s), {len(freport.kept)} op(s) kept, "
+                  f"{len(freport.untraced)} module(s) not traceable, "
+                  f"{len(freport.patch.unsupported)} layer(s) on PyTorch", flush=True)
+        except Exception as e:  # recorded; the other variants still run
+            result["variants"]["fused"] = {"error": f"{type(e).__name__}: {str(e)[:2000]}",
+                                           "traceback": traceback.format_exc()[-3000:]}
+    tolerance = 10 * backends.get(reg.backend).tolerance[a.dtype]
     ref = None
     for variant, model in models.items():
         for graph in (False, True) if device == "cuda" else (False,):
@@ -298,9 +342,12 @@ def run_case(case: str, a, reg, vision, timer: Timer) -> dict:
                 state = snapshot(model, box, training)
                 if ref is None:
                     ref = state  # eager, as called: the reference of every other variant
-                entry = {**timer(run), **compare(state, ref)}
+                    result["reference_out_norm"] = state["out"].double().norm().item()  # 0: a meaningless check
+                entry = {**timer(run), **compare(state, ref, tolerance)}
             except Exception as e:  # recorded and reported; the other variants still run
                 entry = {"error": f"{type(e).__name__}: {str(e)[:2000]}", "traceback": traceback.format_exc()[-3000:]}
+                if graph:
+                    entry["cuda_graph"] = "capture or replay failed (see error)"
             entry["wall_s"] = round(time.perf_counter() - t0, 2)
             result["variants"][name] = entry
             print(f"  {case:26s} {name:24s} " + (f"{entry['median_ms']:9.3f} ms  out err {entry['out_rel_err']:.2e}"
@@ -377,6 +424,7 @@ def host_overhead(reg, device: str, dtype: torch.dtype, rounds: int, calls: int 
     xc = torch.randn(8, 32, 14, 14, device=dev).to(dtype).contiguous(memory_format=torch.channels_last)
     wc = torch.randn(32, 32, 3, 3, device=dev).to(dtype).contiguous(memory_format=torch.channels_last)
     yc = torch.empty(8, 32, 14, 14, device=dev, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    bc = torch.randn(32, device=dev).to(dtype)
     handle = tdt.register(reg)
     # layers without bias whose parameters need no grad (inference), one patched and one plain, same weights
     linears = [nn.Linear(256, 128, bias=False, device=dev, dtype=dtype).requires_grad_(False) for _ in range(2)]
@@ -398,6 +446,10 @@ def host_overhead(reg, device: str, dtype: torch.dtype, rounds: int, calls: int 
         "patched nn.Conv2d": lambda: convs[0](xc),
         "torch.nn.functional.conv2d": lambda: F.conv2d(xc, wc, padding=1),
         "torch nn.Conv2d": lambda: convs[1](xc),
+        # a conv with an epilogue (what tiledispatch.torch.fuse makes of conv -> bn -> relu)
+        "tiledispatch.torch.conv(bias, relu)": lambda: tdt.conv(xc, wc, bc, registry=handle, padding=1,
+                                                                activation="relu"),
+        "torch conv2d + relu": lambda: F.relu(F.conv2d(xc, wc, bc, padding=1)),
     }
     result = {}
     for name, fn in paths.items():
@@ -532,11 +584,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer timing rounds and iterations")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes and stand-in models (for the CPU)")
     ap.add_argument("--no-layers", dest="layers", action="store_false", help="skip the per-layer comparison")
-    ap.add_argument("--budget-s", type=float, default=420.0,
-                    help="stop starting new variants after this many seconds (they are recorded as skipped)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="stop starting new variants after this many seconds (they are recorded as skipped); "
+                         "default 230 with --quick, else 420")
     ap.add_argument("--out", default=None, help="output folder (default: $OUT if set, else bench/results)")
     a = ap.parse_args()
     a.dtype = a.dtype or ("fp16" if a.device == "cuda" else "fp32")
+    if a.budget_s is None:
+        a.budget_s = 230.0 if a.quick else 420.0
     a.variants = [v for v in a.variants.split(",") if v]
     cases = [c for c in a.models.split(",") if c]
     unknown = sorted(set(cases) - set(CASES)) + sorted(set(a.variants) - set(VARIANTS))
@@ -584,7 +639,9 @@ def summary(results: dict) -> None:
     for case, r in results["cases"].items():
         for name, e in r["variants"].items():
             if "median_ms" in e:
-                print(f"{case:27s} {name:22s} {e['median_ms']:9.3f}   {e.get('speedup_vs_eager_same_mode', 0):5.2f}")
+                print(f"{case:27s} {name:22s} {e['median_ms']:9.3f}   {e.get('speedup_vs_eager_same_mode', 0):5.2f}"
+                      + ("" if e.get("out_within_tolerance", True) else
+                         f"   OUTPUT ERROR {e['out_rel_err']:.2e} > {e['out_tolerance']:.0e}"))
             else:
                 print(f"{case:27s} {name:22s}   error: {e['error'].splitlines()[0][:100]}")
         for layer in r.get("unsupported_layers", []):

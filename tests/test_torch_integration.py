@@ -295,14 +295,16 @@ def test_fake_implementations_match_the_real_outputs(reg):
     h = tdt.register(reg)
     x, w, b, geo, (lo, hi) = conv_case("2d_grouped")
     s, d, gr = list(geo["stride"]), list(geo["dilation"]), geo["groups"]
-    y = torch.ops.tiledispatch.conv_fwd(x, w, b, s, d, list(lo), list(hi), gr, h)
+    y = torch.ops.tiledispatch.conv_fwd(x, w, b, [], "identity", float("-inf"), float("inf"), s, d, list(lo),
+                                        list(hi), gr, h)
     dx = torch.ops.tiledispatch.conv_bwd_data(y, w, list(x.shape[2:]), s, d, list(lo), list(hi), gr, h)
     dw = torch.ops.tiledispatch.conv_bwd_weight(x, y, list(w.shape[2:]), s, d, list(lo), list(hi), gr, h)
     a, bb = rand(5, 7), rand(3, 7, 4)[0]
     mm = torch.ops.tiledispatch.gemm(a, bb, None, [], "identity", float("-inf"), float("inf"), h)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fx, fw, fb, fy, fa, fbb = (mode.from_tensor(t) for t in (x, w, b, y, a, bb))
-        fakes = [torch.ops.tiledispatch.conv_fwd(fx, fw, fb, s, d, list(lo), list(hi), gr, h),
+        fakes = [torch.ops.tiledispatch.conv_fwd(fx, fw, fb, [], "identity", float("-inf"), float("inf"), s, d,
+                                                 list(lo), list(hi), gr, h),
                  torch.ops.tiledispatch.conv_bwd_data(fy, fw, list(x.shape[2:]), s, d, list(lo), list(hi), gr, h),
                  torch.ops.tiledispatch.conv_bwd_weight(fx, fy, list(w.shape[2:]), s, d, list(lo), list(hi), gr, h),
                  torch.ops.tiledispatch.gemm(fa, fbb, None, [], "identity", float("-inf"), float("inf"), h)]
@@ -603,23 +605,28 @@ def test_gpu_cuda_graph_captures_and_replays_a_training_step():
 
 
 def test_bench_models_runs_on_the_cpu(reg, tmp_path):
-    """bench/models.py end to end on the cpu backend (tiny sizes): the patched model matches eager and the JSON
-    holds the report, the per-layer comparison and the host overhead."""
+    """bench/models.py end to end on the cpu backend (tiny sizes): the patched and fused models match eager and the
+    JSON holds the reports, the per-layer comparison and the host overhead."""
     import json
 
     bundle = Path(reg.kernels[0].path).parents[1]  # <bundle>/kernels/<kernel>.so
     env = {**os.environ, "PYTHONPATH": str(REPO / "runtime")}
     cmd = [sys.executable, str(REPO / "bench" / "models.py"), "--device", "cpu", "--tiny", "--quick", "--bundle",
-           str(bundle), "--models", "llama3_8b_decode8,convnext_tiny", "--variants", "eager,tiledispatch",
+           str(bundle), "--models", "llama3_8b_decode8,convnext_tiny,mobilenet_v2", "--variants", "eager,tiledispatch,fused",
            "--out", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "models_cpu_tiny.json").read_text())
-    for case in ("llama3_8b_decode8", "convnext_tiny"):
+    for case in ("llama3_8b_decode8", "convnext_tiny", "mobilenet_v2"):
         r = result["cases"][case]
         assert r["variants"]["tiledispatch"]["out_rel_err"] < 1e-5, r["variants"]
+        assert r["variants"]["fused"]["out_rel_err"] < 1e-5 and r["variants"]["fused"]["out_within_tolerance"]
+        assert r["fuse_report"]["patch"]["unsupported"] == 0
         assert r["patch_report"]["unsupported"] == 0 and r["unsupported_layers"] == []
         assert r["layers"] and all("tiledispatch_ms" in row and "pytorch_ms" in row for row in r["layers"])
+    # MobileNetV2's stand-in: every conv with its folded batch norm (and ReLU6 / residual) in one call
+    fused = result["cases"]["mobilenet_v2"]["fuse_report"]["fused"]
+    assert len(fused) == 7 and all("batch norm folded" in f["epilogue"] for f in fused)
     assert result["host_overhead"]["tiledispatch.torch.linear"]["median_us"] > 0
     assert set(result["host_overhead"]["registration"]) == {"python function", "Library define + impl",
                                                             "torch.library.custom_op"}

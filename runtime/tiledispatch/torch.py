@@ -9,7 +9,8 @@
 Operators (torch.ops.tiledispatch.*; registries are passed as the small integer handle of register(), since
 an operator takes no Python objects):
     gemm(a, b, bias, residuals, activation, clamp_low, clamp_high, registry)    act(a @ b + bias + sum(residuals))
-    conv_fwd(x, w, bias, stride, dilation, pad_lo, pad_hi, groups, registry)
+    conv_fwd(x, w, bias, residuals, activation, clamp_low, clamp_high, stride, dilation, pad_lo, pad_hi, groups,
+             registry)                                                  act(conv(x, w) + bias + sum(residuals))
     conv_bwd_data(dy, w, in_size, stride, dilation, pad_lo, pad_hi, groups, registry)
     conv_bwd_weight(x, dy, filter_size, stride, dilation, pad_lo, pad_hi, groups, registry)
 They are not differentiable themselves: linear(), matmul() and conv() are, through autograd Functions that
@@ -59,7 +60,8 @@ from .ops.gemm import GemmProblem
 from .registry import NO_CLAMP, Registry
 from .spec.key import ACTIVATIONS, Epilogue
 
-__all__ = ["register", "registry_of", "linear", "matmul", "conv", "patch", "unpatch", "PatchReport", "LayerReport"]
+__all__ = ["register", "registry_of", "linear", "matmul", "conv", "patch", "unpatch", "PatchReport", "LayerReport",
+           "fuse", "FuseReport", "FusedLayer", "FusedConv", "FusedLinear"]
 
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "int8",
            torch.float64: "fp64"}  # fp64: a dtype tiledispatch knows, which a bundle may lack (a clear refusal)
@@ -72,6 +74,7 @@ class _Capabilities:
     """What a registry's kernels compute, for routing without asking every kernel."""
     gemm: frozenset  # (dtype, layout, activation, bias, residuals)
     conv: frozenset  # (direction, spatial_dims, dtype)
+    conv_epilogues: frozenset  # (spatial_dims, dtype, activation, bias, residuals) of fwd kernels fusing one
 
 
 _REGISTRIES: list[Registry] = []
@@ -92,16 +95,19 @@ def register(registry: Union[Registry, int]) -> int:
     if not isinstance(registry, Registry):
         raise InvalidInputError(f"registry must be a tiledispatch Registry (td.load) or a handle, got "
                                 f"{type(registry).__name__}")
-    gemm, convs = set(), set()
+    gemm, convs, conv_epilogues = set(), set(), set()
     for k in registry.kernels:
         sig = k.key.signature
+        e = sig.epilogue
         if sig.op == "gemm":
-            e = sig.epilogue
             gemm.add((sig.dtype_a, sig.layout, e.activation, e.bias, e.residuals))
         elif sig.op == "conv":
-            convs.add((sig.direction, sig.spatial_dims, sig.dtype_a))
+            if e == Epilogue():
+                convs.add((sig.direction, sig.spatial_dims, sig.dtype_a))
+            elif sig.direction == "fwd":
+                conv_epilogues.add((sig.spatial_dims, sig.dtype_a, e.activation, e.bias, e.residuals))
     _REGISTRIES.append(registry)  # kept alive, so its id is never reused for another object
-    _CAPS.append(_Capabilities(frozenset(gemm), frozenset(convs)))
+    _CAPS.append(_Capabilities(frozenset(gemm), frozenset(convs), frozenset(conv_epilogues)))
     _HANDLES[id(registry)] = len(_REGISTRIES) - 1
     return len(_REGISTRIES) - 1
 
@@ -161,18 +167,27 @@ def _letters(t: torch.Tensor) -> str:
 
 def _gemm_route(handle: int, a: torch.Tensor, b: torch.Tensor, activation: str, bias: bool,
                 residuals: int) -> _GemmRoute:
-    """The route of a call, cached by everything it depends on (this runs on every call: kept lean)."""
+    """The route of a call, cached by everything it depends on: the problem's shape among them, since whether a
+    kernel can run it decides the route (this runs on every call: kept lean)."""
     sa, sb = a.stride(), b.stride()
-    key = (handle, a.dtype, activation, bias, residuals, sa[-1] == 1, sa[-2] == 1, sb[-1] == 1, sb[-2] == 1)
+    key = (handle, a.dtype, activation, bias, residuals, sa[-1] == 1, sa[-2] == 1, sb[-1] == 1, sb[-2] == 1,
+           a.shape, b.shape)
     route = _ROUTES.get(key)
     if route is None:
         registry_of(handle)
+        shape = (a.shape[0] if a.dim() == 3 else 1, a.shape[-2], b.shape[-1], a.shape[-1])
+        if len(_ROUTES) >= _MEMO_SIZE:
+            _ROUTES.clear()
         route = _ROUTES[key] = _choose_route(handle, _dtype_name(a, "a"), activation, bias, residuals, _letters(a),
-                                             _letters(b))
+                                             _letters(b), shape)
     return route
 
 
-def _choose_route(handle, dtype, activation, bias, residuals, letters_a, letters_b) -> _GemmRoute:
+def _choose_route(handle, dtype, activation, bias, residuals, letters_a, letters_b, shape=None) -> _GemmRoute:
+    """The route: fewest operand copies, then a fused bias / residual epilogue over beta * C. shape: the call's
+    (batch, m, n, k): a route is taken only where one of its kernels can run that problem (a bias kernel may
+    refuse, e.g., an unaligned n that a plain kernel runs); None, or no route running it: where its kernels
+    exist (the registry's call then says why none runs the problem)."""
     caps = _CAPS[handle].gemm
     exact = Epilogue(activation, bias, residuals)
     plain = Epilogue(activation, False, 0)
@@ -183,12 +198,16 @@ def _choose_route(handle, dtype, activation, bias, residuals, letters_a, letters
                 continue
             if (dtype, layout, epi.activation, epi.bias, epi.residuals) not in caps:
                 continue
+            if shape is not None and not _gemm_runs(handle, dtype, layout, epi, shape):
+                continue
             copy_a = None if layout[0] in letters_a else layout[0]
             copy_b = None if layout[1] in letters_b else layout[1]
             cost = (copy_a is not None) + (copy_b is not None), fold  # fewest copies, then a fused epilogue
             if best is None or cost < best[0]:
                 best = cost, _GemmRoute(layout, copy_a, copy_b, fold, epi)
             break
+    if best is None and shape is not None:
+        return _choose_route(handle, dtype, activation, bias, residuals, letters_a, letters_b)
     if best is None:
         what = f"{activation}" + (" + bias" if bias else "") + (f" + {residuals} residual(s)" if residuals else "")
         have = sorted({f"{c[1]} {c[2]}{' + bias' if c[3] else ''}" for c in caps if c[0] == dtype})
@@ -196,6 +215,15 @@ def _choose_route(handle, dtype, activation, bias, residuals, letters_a, letters
             f"the bundle has no {dtype} GEMM kernel with a row-major output computing {what}"
             + (f" (its {dtype} GEMM kernels: {', '.join(have)})" if have else f" (it has no {dtype} GEMM kernels)"))
     return best[1]
+
+
+def _gemm_runs(handle: int, dtype: str, layout: str, epilogue: Epilogue, shape: tuple) -> bool:
+    """Whether a kernel of the bundle runs this GEMM (the registry's can-run answer, cached per problem there)."""
+    batch, m, n, k = shape
+    if min(shape) < 1:  # an empty problem: the registry's call refuses it with its own message
+        return True
+    problem = GemmProblem(m, n, k, dtype, dtype, "int32" if dtype == "int8" else dtype, layout, batch, epilogue)
+    return registry_of(handle).supports(problem)
 
 
 def _to_major(t: torch.Tensor, letter: str) -> torch.Tensor:
@@ -370,28 +398,145 @@ def _conv_fwd_shape(x, w, stride, dilation, pad_lo, pad_hi):
     return (x.shape[0], w.shape[0], *_out_size(x.shape[2:], w.shape[2:], stride, dilation, pad_lo, pad_hi))
 
 
-def _conv_fwd_impl(x, w, bias, stride, dilation, pad_lo, pad_hi, groups, registry):
-    return _conv_fwd_run(x, w, bias, _geometry(stride, dilation, pad_lo, pad_hi, groups), registry)
+def _conv_fwd_impl(x, w, bias, residuals, activation, clamp_low, clamp_high, stride, dilation, pad_lo, pad_hi, groups,
+                   registry):
+    geo = _geometry(stride, dilation, pad_lo, pad_hi, groups)
+    if bias is None and not residuals and activation == "identity":
+        return _conv_fwd_run(x, w, geo, registry)
+    return _conv_fwd_epilogue_run(x, w, bias, residuals, activation, (clamp_low, clamp_high), geo, registry)
 
 
-def _conv_fwd_run(x, w, bias, geo: _Geometry, handle: int):
-    """The forward convolution on the bundle: the operator's implementation, which eager calls enter directly."""
-    dtype = x.dtype
-    if w.dtype != dtype or (bias is not None and bias.dtype != dtype):
-        _check_conv_dtypes(("x", x), ("w", w), ("bias", bias))
+def _conv_fwd_run(x, w, geo: _Geometry, handle: int):
+    """The forward convolution without an epilogue on the bundle: the operator's implementation, which eager
+    calls enter directly (with an epilogue: _conv_fwd_epilogue_run)."""
+    if w.dtype != x.dtype:
+        _check_conv_dtypes(("x", x), ("w", w))
     reg = _registry_for(handle, x)
     x, w = _channels_last(x), _channels_last(w)
     y = _new_channels_last(geo.fwd_shape(x, w), x)
-    if bias is None:
-        return conv_op.run(reg, "fwd", x, w, y, y, geo.options[0.0], geo.keys[0.0])
-    # y = conv + 1 * y, y holding the bias first: the add happens in the kernel's epilogue
-    if bias.shape != (w.shape[0],):
+    return conv_op.run(reg, "fwd", x, w, y, y, geo.options[0.0], geo.keys[0.0])
+
+
+def _conv_fwd_epilogue_run(x, w, bias, residuals, activation: str, clamp: tuple, geo: _Geometry, handle: int):
+    """act(conv(x, w) + bias + sum(residuals)) on the bundle: one call of a conv kernel fusing that epilogue where
+    one runs the problem; for a pointwise problem, else one call of a GEMM kernel fusing it (as ops/conv_as_gemm.py
+    lowers the plain problem); else the plain conv kernel with bias and residuals added through beta * Y (Y
+    holding their sum first) and the activation applied by torch, in place."""
+    dtype = x.dtype
+    for role, t in (("w", w), ("bias", bias), *((f"residual {i}", r) for i, r in enumerate(residuals))):
+        if t is not None and t.dtype != dtype:
+            raise InvalidInputError(f"conv: {role} has dtype {t.dtype}, x has {dtype}")
+    if activation not in ACTIVATIONS:
+        raise InvalidInputError(f"unknown activation {activation!r} (known: {', '.join(ACTIVATIONS)})")
+    x, w = _channels_last(x), _channels_last(w)
+    shape = geo.fwd_shape(x, w)
+    if bias is not None and bias.shape != (w.shape[0],):
         raise InvalidInputError(f"conv bias has shape {list(bias.shape)}, expected [{w.shape[0]}]")
-    y.copy_(bias.view(geo.bias_shape))  # broadcast over N and the spatial dims
-    return conv_op.run(reg, "fwd", x, w, y, y, geo.options[1.0], geo.keys[1.0])
+    for i, r in enumerate(residuals):
+        if r.shape != shape:
+            raise InvalidInputError(f"conv residual {i} has shape {list(r.shape)}, expected {list(shape)} (the "
+                                    f"output's)")
+    reg = _registry_for(handle, x)
+    y = _new_channels_last(shape, x)
+    route = _conv_route(handle, x, w, geo, activation, bias is not None, len(residuals))
+    if route == "conv":
+        return reg.conv_fwd(x, w, y, **geo.options[0.0], bias=bias, residuals=tuple(map(_channels_last, residuals)),
+                            activation=activation, clamp=clamp)
+    if route == "gemm":
+        return _pointwise_gemm(reg, handle, x, w, bias, residuals, activation, clamp, y)
+    if bias is None and not residuals:
+        conv_op.run(reg, "fwd", x, w, y, y, geo.options[0.0], geo.keys[0.0])
+    else:  # y = conv + 1 * y, y holding bias + residuals first: the adds happen in the kernel's epilogue
+        if bias is not None:
+            y.copy_(bias.view(geo.bias_shape))  # broadcast over N and the spatial dims
+            for r in residuals:
+                y.add_(r)
+        else:
+            y.copy_(residuals[0])
+            for r in residuals[1:]:
+                y.add_(r)
+        conv_op.run(reg, "fwd", x, w, y, y, geo.options[1.0], geo.keys[1.0])
+    return _activate_(y, activation, clamp)
 
 
-def _conv_fwd_fake(x, w, bias, stride, dilation, pad_lo, pad_hi, groups, registry):
+def _activate_(y: torch.Tensor, activation: str, clamp: tuple) -> torch.Tensor:
+    """y with the activation applied in place (the float64 reference's definitions: reference.ACTIVATIONS)."""
+    if activation == "identity":
+        return y
+    if activation == "relu":
+        return y.relu_()
+    if activation == "clamp":
+        return y.clamp_(clamp[0], clamp[1])
+    if activation == "sigmoid":
+        return y.sigmoid_()
+    if activation == "tanh":
+        return y.tanh_()
+    if activation in ("gelu_tanh", "gelu_erf"):
+        return torch.ops.aten.gelu_(y, approximate="tanh" if activation == "gelu_tanh" else "none")
+    return torch.ops.aten.silu_(y)
+
+
+_CONV_ROUTES: dict = {}  # (handle, dtype, shapes, geometry, epilogue) -> "conv", "gemm" or None (see below)
+
+
+def _conv_route(handle: int, x, w, geo: _Geometry, activation: str, bias: bool, residuals: int) -> Optional[str]:
+    """How a conv with this epilogue runs (cached per problem): "conv" where a conv kernel of the bundle fusing it
+    runs the problem (its can-run answer); "gemm" for a pointwise dense problem whose GEMM (pixels x channels)
+    a GEMM kernel runs with the epilogue (bias and residuals fused or through beta * C, the activation fused);
+    None: the plain conv kernel, bias and residuals through beta * Y, torch's activation."""
+    key = (handle, x.dtype, x.shape, w.shape, geo.stride, geo.dilation, geo.pad_lo, geo.pad_hi, geo.groups,
+           activation, bias, residuals)
+    route = _CONV_ROUTES.get(key, False)
+    if route is False:
+        dtype = _dtype_name(x, "x")
+        route = None
+        try:
+            problem = ConvProblem("fwd", x.shape[0], geo.groups, x.shape[1], w.shape[0], tuple(x.shape[2:]),
+                                  tuple(w.shape[2:]), geo.stride, geo.dilation, geo.pad_lo, geo.pad_hi, dtype, dtype,
+                                  dtype, epilogue=Epilogue(activation, bias, residuals))
+        except InvalidInputError:  # shapes the plain path's checks refuse, with their own message
+            problem = None
+        if problem is not None and (geo.rank, dtype, activation, bias, residuals) in _CAPS[handle].conv_epilogues \
+                and registry_of(handle).supports(problem):
+            route = "conv"
+        elif problem is not None and conv_as_gemm.applies(problem):
+            pixels = problem.n * math.prod(problem.in_size)
+            try:
+                _choose_route(handle, dtype, activation, bias, residuals, "r", "c", (1, pixels, problem.k, problem.c))
+                route = "gemm"
+            except UnsupportedProblemError:  # no GEMM kernel computes the activation
+                route = None
+        if len(_CONV_ROUTES) >= _MEMO_SIZE:
+            _CONV_ROUTES.clear()
+        _CONV_ROUTES[key] = route
+    return route
+
+
+def _pointwise_gemm(reg, handle: int, x, w, bias, residuals, activation: str, clamp: tuple, y):
+    """y = act(x @ w^T + bias + sum(residuals)) over the pixels of a pointwise conv: channels-last x, y and
+    residuals are [pixels, channels] row-major matrices and a channels-last weight [K, C, 1...] a column-major
+    [C, K] one, all views (the GEMM path of _gemm_impl on them)."""
+    k, c = w.shape[0], w.shape[1]
+    a = x.movedim(1, -1).reshape(-1, c)
+    b = w.reshape(k, c).t()
+    out = y.movedim(1, -1).reshape(-1, k)
+    res = tuple(_channels_last(r).movedim(1, -1).reshape(-1, k) for r in residuals)
+    route = _gemm_route(handle, a, b, activation, bias is not None, len(res))
+    clamp = clamp if activation == "clamp" else NO_CLAMP
+    if route.copy_a:
+        a = _to_major(a, route.copy_a)
+    if route.copy_b:
+        b = _to_major(b, route.copy_b)
+    if route.fold:  # out = act(A @ B + 1 * C) with C = bias + residuals, written into out first
+        _fill_with_sum(out, bias, res)
+        reg.gemm(a, b, out, c=out, beta=1.0, activation=activation, clamp=clamp)
+    else:
+        reg.gemm(a, b, out, bias=bias, residuals=res, activation=activation, clamp=clamp)
+    return y
+
+
+def _conv_fwd_fake(x, w, bias, residuals, activation, clamp_low, clamp_high, stride, dilation, pad_lo, pad_hi, groups,
+                   registry):
     return _empty_channels_last(_conv_fwd_shape(x, w, stride, dilation, pad_lo, pad_hi), x)
 
 
@@ -434,7 +579,8 @@ _LIB = torch.library.Library("tiledispatch", "DEF")
 _SCHEMAS = {
     "gemm": ("gemm(Tensor a, Tensor b, Tensor? bias, Tensor[] residuals, str activation, float clamp_low, "
              "float clamp_high, int registry) -> Tensor", _gemm_impl, _gemm_fake),
-    "conv_fwd": (f"conv_fwd(Tensor x, Tensor w, Tensor? bias, {_GEO}) -> Tensor", _conv_fwd_impl, _conv_fwd_fake),
+    "conv_fwd": (f"conv_fwd(Tensor x, Tensor w, Tensor? bias, Tensor[] residuals, str activation, float clamp_low, "
+                 f"float clamp_high, {_GEO}) -> Tensor", _conv_fwd_impl, _conv_fwd_fake),
     "conv_bwd_data": (f"conv_bwd_data(Tensor dy, Tensor w, SymInt[] in_size, {_GEO}) -> Tensor", _conv_bwd_data_impl,
                       _conv_bwd_data_fake),
     "conv_bwd_weight": (f"conv_bwd_weight(Tensor x, Tensor dy, SymInt[] filter_size, {_GEO}) -> Tensor",
@@ -484,11 +630,16 @@ def _gemm(a, b, bias, residuals, activation: str, clamp_low: float, clamp_high: 
     return _gemm_op(a, b, bias, list(residuals), activation, clamp_low, clamp_high, handle)
 
 
-def _conv_fwd(x, w, bias, stride, dilation, pad_lo, pad_hi, groups, handle, geo: Optional[_Geometry] = None):
+def _conv_fwd(x, w, bias, stride, dilation, pad_lo, pad_hi, groups, handle, geo: Optional[_Geometry] = None,
+              residuals: tuple = (), activation: str = "identity", clamp: tuple = NO_CLAMP):
     """tiledispatch::conv_fwd, directly where _eager allows (geo: the _Geometry of these values, when known)."""
-    if _eager(x, w, bias):
-        return _conv_fwd_run(x, w, bias, geo or _geometry(stride, dilation, pad_lo, pad_hi, groups), handle)
-    return _conv_fwd_op(x, w, bias, stride, dilation, pad_lo, pad_hi, groups, handle)
+    if _eager(x, w, bias) and (not residuals or all(type(r) in _PLAIN for r in residuals)):
+        if activation == "identity" and not residuals and bias is None:
+            return _conv_fwd_run(x, w, geo or _geometry(stride, dilation, pad_lo, pad_hi, groups), handle)
+        return _conv_fwd_epilogue_run(x, w, bias, residuals, activation, clamp,
+                                      geo or _geometry(stride, dilation, pad_lo, pad_hi, groups), handle)
+    return _conv_fwd_op(x, w, bias, list(residuals), activation, clamp[0], clamp[1], stride, dilation, pad_lo, pad_hi,
+                        groups, handle)
 
 
 def _conv_bwd_data(dy, w, in_size, stride, dilation, pad_lo, pad_hi, groups, handle):
@@ -556,18 +707,33 @@ class _GemmFunction(torch.autograd.Function):
 
 
 class _ConvFunction(torch.autograd.Function):
+    """y = act(conv(x, w) + bias + sum(residuals)). The backward pass takes the activation's derivative from the
+    saved output (relu, clamp, sigmoid, tanh) or from the pre-activation, recomputed through the bundle (gelu,
+    silu), then grad bias = the sum of that gradient over N and the spatial dims, grad residual = that gradient."""
+
     @staticmethod
-    def forward(ctx, x, w, bias, stride, dilation, pad_lo, pad_hi, groups, handle):
+    def forward(ctx, x, w, bias, stride, dilation, pad_lo, pad_hi, groups, handle, activation, clamp_low, clamp_high,
+                *residuals):
         x, w = _channels_last(x), _channels_last(w)  # converted once, kept for the backward pass
-        y = _conv_fwd(x, w, bias, stride, dilation, pad_lo, pad_hi, groups, handle)
+        y = _conv_fwd(x, w, bias, stride, dilation, pad_lo, pad_hi, groups, handle, None, residuals, activation,
+                      (clamp_low, clamp_high))
         ctx.geometry = (stride, dilation, pad_lo, pad_hi, groups, handle)
-        ctx.save_for_backward(x, w)
+        ctx.activation, ctx.clamp = activation, (clamp_low, clamp_high)
+        if activation in _NEEDS_PRE:
+            ctx.save_for_backward(x, w, bias, None, *residuals)
+        else:
+            ctx.save_for_backward(x, w, None, y if activation != "identity" else None)
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gy):
-        x, w = ctx.saved_tensors
+        x, w, bias, out, *residuals = ctx.saved_tensors
+        if ctx.activation != "identity":
+            pre = None
+            if ctx.activation in _NEEDS_PRE:  # recomputed through the bundle rather than stored by the forward pass
+                pre = _conv_fwd(x, w, bias, *ctx.geometry, None, tuple(residuals))
+            gy = _activation_grad(gy, out, pre, ctx.activation, ctx.clamp)
         gy = _channels_last(gy)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
@@ -576,7 +742,8 @@ class _ConvFunction(torch.autograd.Function):
             dw = _conv_bwd_weight(x, gy, w.shape[2:], *ctx.geometry)
         if ctx.needs_input_grad[2]:
             db = gy.sum(dim=(0, *range(2, gy.dim())))
-        return dx, dw, db, None, None, None, None, None, None
+        gres = tuple(gy if need else None for need in ctx.needs_input_grad[12:])
+        return (dx, dw, db, None, None, None, None, None, None, None, None, None, *gres)
 
 
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (lambda: True)  # the cheap first test
@@ -663,11 +830,18 @@ def _plain_int(v) -> int:
 
 
 def conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *, registry, stride=1,
-         padding=0, dilation=1, groups: int = 1, pad_lo=None, pad_hi=None) -> torch.Tensor:
-    """torch.nn.functional.conv1d / 2d / 3d (by the rank of x: [N, C, W], [N, C, H, W], [N, C, D, H, W]) on the
-    bundle; padding symmetric, or pad_lo / pad_hi per side. The output is channels-last. Differentiable
-    (grad input: bwd_data, grad weight: bwd_weight, grad bias: a sum)."""
+         padding=0, dilation=1, groups: int = 1, pad_lo=None, pad_hi=None, residuals: Sequence[torch.Tensor] = (),
+         activation: str = "identity", clamp=None) -> torch.Tensor:
+    """act(convNd(x, weight, bias) + sum(residuals)): torch.nn.functional.conv1d / 2d / 3d (by the rank of x:
+    [N, C, W], [N, C, H, W], [N, C, D, H, W]) on the bundle, with a fused epilogue; padding symmetric, or
+    pad_lo / pad_hi per side; residuals of the output's shape (no broadcasting); activation one of the GEMM
+    epilogue's (clamp: (low, high)). One kernel computes the whole expression where the bundle has one that
+    runs the problem; otherwise the plain conv kernel adds bias and residuals (beta * Y) and torch applies the
+    activation. The output is channels-last. Differentiable (grad input: bwd_data, grad weight: bwd_weight,
+    grad bias: a sum, grad residual: the output's gradient, all through the activation's derivative)."""
     handle = register(registry)
+    if activation not in ACTIVATIONS:
+        raise InvalidInputError(f"unknown activation {activation!r} (known: {', '.join(ACTIVATIONS)})")
     rank = x.dim() - 2
     _check_conv_ranks(x, weight, rank)
     if (pad_lo is None) != (pad_hi is None):
@@ -675,7 +849,9 @@ def conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     lo = _per_dim("pad_lo", pad_lo if pad_lo is not None else padding, rank)
     hi = _per_dim("pad_hi", pad_hi if pad_hi is not None else padding, rank)
     stride, dilation = _per_dim("stride", stride, rank), _per_dim("dilation", dilation, rank)
-    return _conv(x, weight, bias, stride, dilation, lo, hi, groups if type(groups) is int else _groups(groups), handle)
+    low, high = NO_CLAMP if clamp is None else (float(clamp[0]), float(clamp[1]))
+    return _conv(x, weight, bias, stride, dilation, lo, hi, groups if type(groups) is int else _groups(groups), handle,
+                 None, tuple(residuals), activation, (low, high))
 
 
 def _groups(value) -> int:
@@ -691,13 +867,15 @@ def _check_conv_ranks(x, weight, rank: int) -> None:
                                 f"filter...] of the same rank; got {list(x.shape)} and {list(weight.shape)}")
 
 
-def _conv(x, weight, bias, stride, dilation, lo, hi, groups: int, handle: int, geo: Optional[_Geometry] = None):
+def _conv(x, weight, bias, stride, dilation, lo, hi, groups: int, handle: int, geo: Optional[_Geometry] = None,
+          residuals: tuple = (), activation: str = "identity", clamp: tuple = NO_CLAMP):
     """conv() on checked arguments (geo: their _Geometry, when the caller keeps it)."""
     if _any_autocast():
-        x, weight, bias = _autocast((x, weight, bias))
-    if _needs_grad(x, weight, bias):
-        return _ConvFunction.apply(x, weight, bias, stride, dilation, lo, hi, groups, handle)
-    return _conv_fwd(x, weight, bias, stride, dilation, lo, hi, groups, handle, geo)
+        x, weight, bias, *residuals = _autocast((x, weight, bias, *residuals))
+    if _needs_grad(x, weight, bias, *residuals):
+        return _ConvFunction.apply(x, weight, bias, stride, dilation, lo, hi, groups, handle, activation, *clamp,
+                                   *residuals)
+    return _conv_fwd(x, weight, bias, stride, dilation, lo, hi, groups, handle, geo, residuals, activation, clamp)
 
 
 # -- patch / unpatch -----------------------------------------------------------------------------------------
@@ -935,7 +1113,8 @@ def _select_name(handle: int, problem) -> str:
 
 def _gemm_kernel(handle: int, a_shape, b_shape, dtype: str, letters_a: str, letters_b: str, bias: bool) -> str:
     try:
-        route = _choose_route(handle, dtype, "identity", bias, 0, letters_a, letters_b)
+        route = _choose_route(handle, dtype, "identity", bias, 0, letters_a, letters_b,
+                              (1, a_shape[0], b_shape[-1], a_shape[1]))
     except UnsupportedProblemError as e:
         return f"NO KERNEL: {e}"
     (m, k), n = a_shape, b_shape[-1]
@@ -985,3 +1164,8 @@ def _conv_kernel_name(handle: int, problem: ConvProblem) -> str:
         except UnsupportedProblemError:
             pass
     return _select_name(handle, problem)
+
+
+# fuse(): whole layers (conv -> batch norm -> residual -> activation, linear -> activation) as single calls; it
+# builds on everything above, so it is imported last
+from .torch_fusion import FusedConv, FusedLayer, FusedLinear, FuseReport, fuse  # noqa: E402
