@@ -5,6 +5,7 @@
     y = tdt.linear(x, weight, bias, registry=reg)             # differentiable, traceable by torch.compile
     report = tdt.patch(model, reg)                            # nn.Linear / nn.Conv1d/2d/3d through the bundle
     print(report); tdt.unpatch(model)
+    fused, report = tdt.fuse(model.eval(), reg)               # conv -> bn -> residual -> relu as one call each
 
 Operators (torch.ops.tiledispatch.*; registries are passed as the small integer handle of register(), since
 an operator takes no Python objects):
