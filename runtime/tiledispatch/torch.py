@@ -442,7 +442,7 @@ def _conv_fwd_epilogue_run(x, w, bias, residuals, activation: str, clamp: tuple,
     route = _conv_route(handle, x, w, geo, activation, bias is not None, len(residuals))
     if route == "conv":
         return reg.conv_fwd(x, w, y, **geo.options[0.0], bias=bias, residuals=tuple(map(_channels_last, residuals)),
-                            activation=activation, clamp=clamp)
+                            activation=activation, **({"clamp": clamp} if activation == "clamp" else {}))
     if route == "gemm":
         return _pointwise_gemm(reg, handle, x, w, bias, residuals, activation, clamp, y)
     if bias is None and not residuals:
