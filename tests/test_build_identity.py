@@ -9,6 +9,7 @@ another kernel family or backend is."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -119,6 +120,7 @@ def test_dependencies_follow_the_layout(tmp_path):
     assert compile_["templates/cpu/cpu_common.h"] == compile_["templates/cpu/cpu_includes.h"] == set(names)
     assert compile_["templates/cpu/conv_direct/conv_direct.h"] == {n for n in names if family(n) == "conv_direct"}
     assert compile_["runtime/tiledispatch/include/tiledispatch_abi.h"] == set(names)
+    assert compile_["runtime/tiledispatch/include/tiledispatch_export.h"] == set(names)  # the ABI's export block
     assert compile_["templates/cpu/toolchain.py"] == set(names)
     for must in ("templates/cpu/gemm/__init__.py", "templates/cpu/conv_direct/conv_fwd_direct.cpp.j2",
                  "templates/cpu/_microkernel.j2", "templates/cpu/__init__.py", "templates/cpu/rules.yaml",
@@ -177,6 +179,50 @@ def test_every_file_the_rendering_reads_is_listed(backend, arch):
         compiled = deps.compile_inputs(key)
         assert REPO / "runtime/tiledispatch/include/tiledispatch_abi.h" in compiled
         assert b.path / "toolchain.py" in compiled
+
+
+def _included(key) -> set[Path]:
+    """The headers of ours the key's rendered source includes, transitively: what the compiler opens of ours."""
+    dirs = codegen.include_dirs(key)
+    found, todo = set(), [codegen.render(key)]
+    while todo:
+        for name in re.findall(r'^\s*#\s*include\s+"([^"]+)"', todo.pop(), re.M):
+            path = next((d / name for d in dirs if (d / name).is_file()), None)
+            if path is not None and path.resolve() not in found:
+                found.add(path.resolve())
+                todo.append(path.read_text())
+    return found
+
+
+@pytest.mark.parametrize("backend, arch", [("cpu", "x86v4"), ("cutlass", "sm90a"), ("cutlass", "sm80"),
+                                           ("ck_tile", "gfx942")])
+def test_every_header_the_source_includes_is_a_compile_input(backend, arch):
+    """Every header of ours a kernel's source includes (the ABI's, its backend's, its family's plain C++) is one of
+    its compile inputs, so editing it recompiles the kernel; none of another family's or backend's is. (A header
+    named under a Jinja condition counts for every kernel of its template: an edit may recompile a few kernels
+    more than the ones that include it, never fewer.)"""
+    b = backends.get(backend)
+    seen, users = set(), {}
+    for path in sorted((REPO / "preselected").glob("*.yaml")):
+        if f"{backend}/{arch}" not in kernelset.targets(path):
+            continue
+        for e in kernelset.expand_file(path, backend, arch):
+            fam = backends.family_of(e.key)
+            variant = (fam.name, tuple(fam.templates(e.key)), e.key.signature.direction, e.key.algorithm.warps)
+            if variant in seen:
+                continue
+            seen.add(variant)
+            included, listed = _included(e.key), set(deps.compile_inputs(e.key))
+            assert included and included <= listed, (e.key.name, sorted(map(str, included - listed)))
+            own = (fam.path, b.path, REPO / "runtime/tiledispatch/include")
+            assert all(any(p.is_relative_to(d) for d in own) for p in listed if p.suffix in (".h", ".cuh")), e.key.name
+            for p in included:
+                users.setdefault(p.name, set()).add((fam.name, e.key.signature.direction))
+    assert {"tiledispatch_abi.h", "tiledispatch_export.h", "tiledispatch_kernel.h"} <= set(users)
+    if arch == "sm90a":  # the sm90 kernels' plain CUDA headers, each included by the kernels that use it
+        assert {f for f, _ in users["tma_driver.cuh"]} == {"gemm_sm90", "conv_tma_ws"}
+        assert users["conv_sm90_wgrad_run.cuh"] == {("conv_tma_ws", "bwd_weight")}
+        assert {d for _, d in users["conv_sm90_consumers.cuh"]} == {"fwd", "bwd_data"}
 
 
 def test_editing_a_file_rebuilds_exactly_its_dependents(repo):

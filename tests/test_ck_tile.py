@@ -58,7 +58,7 @@ def test_every_preselected_config_renders(set_arch):
         text = codegen.render(key)
         assert key.to_json() in text                       # the .so reports its own key
         assert f"__{key.arch}__" in text                     # and refuses to compile for another arch
-        assert re.search(r'extern "C"', text) and "td_run" in text and "td_can_run" in text
+        assert 'TD_EXPORT_KERNEL(R"TDKEY(' in text             # the ABI's five functions
         pipeline_class, _ = ck_common._PIPELINE[key.algorithm.pipeline]
         assert f"ck_tile::{pipeline_class}<Problem>" in text
         tile = ", ".join(map(str, key.algorithm.tile))

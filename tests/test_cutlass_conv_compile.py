@@ -35,7 +35,7 @@ IGEMM = KernelKey(Signature("conv", "bf16", "bf16", "bf16", "fp32", "nhwgc", Epi
 SM90 = KernelKey(Signature("conv", "fp16", "fp16", "fp16", "fp32", "nhwgc", Epilogue(), "bwd_weight", 2),
                  Algorithm((64, 128, 64), "tma_ws_conv", (4, 1, 1), (64, 128, 16), "data_parallel", 1, (1, 1, 1), 0),
                  "cutlass", "sm90a")
-# conv_fp16_fwd_essential's 1D kernel: two consumer warpgroups (our kernel body, _conv_sm90_consumers.j2) in a
+# conv_fp16_fwd_essential's 1D kernel: two consumer warpgroups (our kernel body, conv_sm90_consumers.cuh) in a
 # cluster of two CTAs
 SM90_TWO = KernelKey(Signature("conv", "fp16", "fp16", "fp16", "fp32", "nhwgc", Epilogue(), "fwd", 1),
                      Algorithm((128, 256, 64), "tma_ws_conv", (8, 1, 1), (64, 256, 16), "data_parallel", 1, (1, 2, 1),

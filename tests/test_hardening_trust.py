@@ -264,21 +264,25 @@ def test_built_kernels_embed_their_key_statically(built):
 
 
 def test_every_main_template_defines_the_key_with_the_macro():
-    sources = [p for p in (REPO / "templates").glob("*/*.j2") if "td_kernel_key" in p.read_text()]
-    assert not sources, f"td_kernel_key defined without TD_DEFINE_KERNEL_KEY in {sources}"
+    """The five ABI functions, td_kernel_key's ELF section included, come from one macro (tiledispatch_export.h):
+    no template defines one itself, and every main template renders exactly one TD_EXPORT_KERNEL of its key."""
+    files = [p for p in (REPO / "templates").rglob("*") if p.suffix in (".j2", ".h", ".cuh")]
+    sources = [p for p in files if re.search(r"\btd_kernel_key\b|\btd_abi_version\b|TD_DEFINE_KERNEL_KEY|TD_EXPORT\b",
+                                             p.read_text())]
+    assert not sources, f"an ABI function defined without TD_EXPORT_KERNEL in {sources}"
     # one rendered key per main template of every backend, from the preselected sets
     seen = {}
     for backend, arch in (("cpu", "x86v4"), ("cutlass", "sm90a"), ("cutlass", "sm80"), ("ck_tile", "gfx942")):
         for name in sorted(kernelset.available_sets()):
             for entry in kernelset.expand_file(kernelset.find(name), backend, arch):
                 seen.setdefault((backend, backends.family_of(entry.key).templates(entry.key)[0]), entry.key)
-    mains = {(p.parent.name, p.name) for p in (REPO / "templates").glob("*/*.j2")
-             if "TD_DEFINE_KERNEL_KEY" in p.read_text()}
-    assert mains <= set(seen), f"no preselected kernel renders {sorted(mains - set(seen))}"
+    mains = {(p.relative_to(REPO / "templates").parts[0], p.name) for p in files
+             if re.search(r"^TD_EXPORT_KERNEL\(", p.read_text(), re.M)}
+    assert mains and mains <= set(seen), f"no preselected kernel renders {sorted(mains - set(seen))}"
     for (backend, template), key in seen.items():
         text = codegen.render(key)
-        assert text.count("TD_DEFINE_KERNEL_KEY(") == 1, (backend, template)
-        assert f'TD_DEFINE_KERNEL_KEY(R"TDKEY({key.to_json()})TDKEY")' in text, (backend, template)
+        assert len(re.findall(r"^TD_EXPORT_KERNEL\(", text, re.M)) == 1, (backend, template)
+        assert f'TD_EXPORT_KERNEL(R"TDKEY({key.to_json()})TDKEY", ' in text, (backend, template)
 
 
 # -- 4. malformed manifests -----------------------------------------------------------------------------

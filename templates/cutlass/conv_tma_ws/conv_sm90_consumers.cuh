@@ -1,3 +1,6 @@
+// TwoConsumerConv: plain CUDA included by conv_sm90.cu.j2 inside the kernel namespace (fwd / bwd_data with warps
+// [8, 1, 1]), after ConvBase, the collectives and PRODUCER_REGISTERS / CONSUMER_REGISTERS.
+#pragma once
 // ---- two consumer warpgroups on one output tile (warps [8, 1, 1]) ------------------------------------
 // CUTLASS 4.2's SM90 conv kernel (GemmUniversal's non-persistent TMA warp-specialized body) runs one consumer
 // warpgroup, so a tile holds at most 128 x 128 fp32 accumulators (128 registers a thread); the dispatch policy
