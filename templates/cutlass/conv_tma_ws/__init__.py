@@ -5,7 +5,7 @@ epilogue), D = alpha * conv + beta * D. warps [4, 1, 1] runs CUTLASS's kernel bo
 (_conv_sm90_wgrad.j2): the pixel sum split into S k ranges writing fp32 partial dW into the workspace, summed into
 dW with alpha / beta by a finalize kernel. S comes from a cost model the kernel applies at run time (choose_splits
 in _conv_sm90_wgrad.j2) and the ranker here (partials_split), the same rule in the two languages;
-tests/test_cutlass_conv_sm90.py checks they agree. Extra cutlass.occupancy: CTAs kept resident per SM."""
+tests/kernels/test_cutlass_conv_sm90.py checks they agree. Extra cutlass.occupancy: CTAs kept resident per SM."""
 import math
 
 from .. import common
