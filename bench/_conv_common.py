@@ -1,4 +1,4 @@
-"""Shared by bench/validate_conv_gpu.py and bench/conv.py: launching one conv kernel of a bundle on torch
+"""Shared by bench/validation/validate_conv_gpu.py and bench/benchmarks/conv.py: launching one conv kernel of a bundle on torch
 tensors through the C ABI (arguments built once, workspace from tiledispatch.cuda, current torch stream)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Shared by bench/validate_gpu.py and bench/gemm.py: torch inputs on the GPU, a float64 reference,
+"""Shared by bench/validation/validate_gpu.py and bench/benchmarks/gemm.py: torch inputs on the GPU, a float64 reference,
 and launching one kernel of a bundle through the C ABI with a persistent workspace."""
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """The golden record of what the kernel sets expand to, written before the restructuring of issue #16.
 
-tests/data/expansion_golden.json holds, for every set in preselected/, kernel_specs/ and bench/ and every
+tests/data/expansion_golden.json holds, for every set in preselected/, kernel_specs/ and bench/sets/ and every
 backend/arch it declares, the kernel names in expansion order under the group that declared them; for every
 key, its canonical JSON, its validation tolerance, the analytic ranker's cost on a few problems of its
 signature and a digest of what the legality rules say about variants of it (other archs, tiles, warps,
 instruction shapes, pipelines, schedulers, extras, dtypes); and the kernels of a cpu bundle's manifest (name,
-key, file, origin) for each cpu arch. tests/test_expansion_golden.py re-computes all of it
+key, file, origin) for each cpu arch. tests/generator/test_expansion_golden.py re-computes all of it
 and compares: a restructuring that changes behaviour changes one of these.
 
     python3 scripts/expansion_golden.py --check          # compare with the record (what the test does)
@@ -37,7 +37,7 @@ GOLDEN = REPO / "tests" / "data" / "expansion_golden.json"
 HEADER = ("Pre-restructuring record (issue #16), written by scripts/expansion_golden.py before the generator/runtime "
           "split: what every kernel set expands to, each key's ranker costs and tolerance, a digest of the legality "
           "rules' verdicts on variants of each key, and a cpu bundle's manifest kernels. It must not change.")
-SET_DIRS = ("preselected", "kernel_specs", "bench")
+SET_DIRS = ("preselected", "kernel_specs", "bench/sets")
 MANIFEST_SET = "fp16_rcr_essential"
 CPU_ARCHS = ("generic", "x86v3", "x86v4")
 

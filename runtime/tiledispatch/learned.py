@@ -1,7 +1,7 @@
 """The learned ranker: a tree ensemble, trained on the project's own benchmark sweeps, that predicts how
 much slower each kernel is than the best one for a problem; the ranker sorts by that prediction.
 
-Models are data (models/<backend>_<arch>_<op>.json, written by bench/train_ranker.py from LightGBM):
+Models are data (models/<backend>_<arch>_<op>.json, written by bench/sweeps/train_ranker.py from LightGBM):
 per node a feature, a threshold and two children, evaluated here with numpy for every tree and every
 candidate at once. The features come from one function (gemm_features) that both training and the
 runtime call, so the two can never disagree about what a feature means.

@@ -19,7 +19,7 @@ call them (forward and backward), so torch.compile(fullgraph=True) traces both t
 implementations.
 
 Registration: torch.library.Library("tiledispatch", "DEF") with define + impl (a Python kernel per device
-key) + register_fake. Measured on CPU with torch 2.13 (a trivial kernel; bench/models.py records the
+key) + register_fake. Measured on CPU with torch 2.13 (a trivial kernel; bench/benchmarks/models.py records the
 current numbers): such an operator costs about 1.4 us above calling the Python function, a
 torch.library.custom_op about 7 us (Python layers of its own around the same kernel, with or without an
 autograd formula), and registering autograd on the operator (torch.library.register_autograd) adds about 3 us

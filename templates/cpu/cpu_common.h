@@ -122,3 +122,13 @@ static T* scratch(int slot, size_t count) {
   }
   return static_cast<T*>(b.p);
 }
+
+// td_run of every cpu kernel: td_can_run's checks, then the kernel, whose only failure is running out of host
+// memory (the family's main template exports it: TD_EXPORT_KERNEL(..., (run_checked<can_run, run>))).
+template <int32_t (*CanRun)(const td_args*, char*, uint64_t), bool (*Kernel)(const td_args*)>
+static int32_t run_checked(const td_args* args, char* reason, uint64_t reason_bytes) {
+  const int32_t status = CanRun(args, reason, reason_bytes);
+  if (status != TD_OK) return status;
+  if (!Kernel(args)) return fail(reason, reason_bytes, TD_RUNTIME_ERROR, "out of host memory");
+  return TD_OK;
+}

@@ -8,7 +8,10 @@ inside tiledispatch and templates/, transitively). Another family's or backend's
 
 compile_inputs(key): the headers of our own the source includes (`#include "..."` in its templates and, in turn,
 in those headers, resolved in the ABI include directory and the template folders; third-party headers enter
-through the toolchain's identity instead) and the static import closure of its backend's toolchain module.
+through the toolchain's identity instead) and the static import closure of its backend's toolchain module. The
+templates are read, not rendered (rendering every kernel to list its headers would cost ~10 ms a kernel on every
+build): a header named under a Jinja condition counts for every kernel of its template, a superset (an edit can
+recompile a few kernels more than the ones that include it, never fewer).
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-// What every generated kernel source shares (host C++, included by the templates of every backend after
-// tiledispatch_abi.h): the error helper that writes a reason and returns a status, the names of the ABI's dtype
-// codes, and named accessors for the grouped-convolution parameters. Templates keep only what varies.
+// What every generated kernel source shares (host C++, included by the templates of every backend): the ABI's
+// export block (tiledispatch_export.h: TD_EXPORT_KERNEL), the error helper that writes a reason and returns a
+// status, the names of the ABI's dtype codes, and named accessors for the grouped-convolution parameters.
+// Templates keep only what varies.
 #ifndef TILEDISPATCH_KERNEL_H
 #define TILEDISPATCH_KERNEL_H
 
@@ -9,6 +10,7 @@
 #include <cstdio>
 
 #include "tiledispatch_abi.h"
+#include "tiledispatch_export.h"
 
 // Writes the printf-formatted reason (when the caller gave a buffer) and returns status.
 static inline int32_t fail(char* reason, uint64_t n, int32_t status, const char* fmt, ...)

@@ -1,11 +1,11 @@
 """cutlass dense convolution (groups = 1), pipeline tma_ws_conv, sm90a: CUTLASS 3.x's SM90 implicit-GEMM
 convolution (TMA im2col loads, GMMA, one producer and one or two consumer warpgroups, TMA or direct-store
 epilogue), D = alpha * conv + beta * D. warps [4, 1, 1] runs CUTLASS's kernel body, [8, 1, 1] ours
-(_conv_sm90_consumers.j2). bwd_weight runs our own persistent kernel body on CUTLASS's collectives
+(conv_sm90_consumers.cuh). bwd_weight runs our own persistent kernel body on CUTLASS's collectives
 (_conv_sm90_wgrad.j2): the pixel sum split into S k ranges writing fp32 partial dW into the workspace, summed into
 dW with alpha / beta by a finalize kernel. S comes from a cost model the kernel applies at run time (choose_splits
 in _conv_sm90_wgrad.j2) and the ranker here (partials_split), the same rule in the two languages;
-tests/test_cutlass_conv_sm90.py checks they agree. Extra cutlass.occupancy: CTAs kept resident per SM."""
+tests/kernels/test_cutlass_conv_sm90.py checks they agree. Extra cutlass.occupancy: CTAs kept resident per SM."""
 import math
 
 from .. import common
@@ -24,10 +24,9 @@ def claims(key) -> bool:
 
 
 def templates(key) -> list[str]:
-    wgrad = ["_conv_sm90_wgrad.j2", "_conv_sm90_wgrad_abi.j2"] if key.signature.direction == "bwd_weight" else []
-    consumers = ["_conv_sm90_consumers.j2"] if _consumers(key) == 2 and not wgrad else []
+    wgrad = ["_conv_sm90_wgrad.j2"] if key.signature.direction == "bwd_weight" else []
     epilogue = ["_epilogue.j2"] if _fused(key) else []
-    return ["conv_sm90.cu.j2", "_conv_common.j2", "_tma_driver.j2"] + wgrad + consumers + epilogue
+    return ["conv_sm90.cu.j2", "_conv_common.j2"] + wgrad + epilogue
 
 
 def _fused(key) -> bool:
@@ -39,7 +38,7 @@ def _fused(key) -> bool:
 
 def _consumers(key) -> int:
     """Consumer warpgroups of a tile: warps [4, 1, 1] one (CUTLASS's kernel body), [8, 1, 1] two (fwd / bwd_data:
-    _conv_sm90_consumers.j2; bwd_weight: its split body)."""
+    conv_sm90_consumers.cuh; bwd_weight: its split body)."""
     return key.algorithm.warps[0] // 4
 
 
@@ -74,7 +73,6 @@ def context(key) -> dict:
         # (wgrad_split), then finalize_splits sums and converts them into W
         "out_element": "ElementOut" if wgrad else "Element",
         "out_align": "OUT_ALIGN" if wgrad else "ALIGN",
-        "launched_kernel": "wgrad_split" if wgrad else "conv_kernel",
         "occupancy": resident_ctas(key),
         "sm_smem_bytes": arch["sm_smem_bytes"],
         "compute_units": arch["compute_units"],

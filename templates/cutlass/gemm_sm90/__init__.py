@@ -40,7 +40,7 @@ def _default_params(key) -> dict:
 
     Raster along M when a tile is at least as wide as tall: neighbouring CTAs then share the larger B
     panel (CUTLASS's own heuristic looks at tile counts only). 64-row tiles without a cluster also
-    group CTAs in bands of 2 (swizzle). Measured on the H100 (bench/param_sweep.py): +20-55% for the
+    group CTAs in bands of 2 (swizzle). Measured on the H100 (bench/sweeps/param_sweep.py): +20-55% for the
     64-row pingpong tiles on large and long-K problems, neutral within noise for the large tiles.
     """
     tm, tn, _ = key.algorithm.tile

@@ -1,0 +1,633 @@
+"""tiledispatch.torch on the cpu backend: operators against float64 references, gradients against torch's
+autograd, fake-tensor tracing with torch.compile(fullgraph=True), patch() / unpatch() of a small model.
+
+The cpu kernels have no float64 variant, so gradients are not gradchecked: they are compared with torch's
+autograd run in float64 on the same data, at the kernels' dtype tolerance. GPU tests (operators on CUDA
+tensors, a CUDA-graph captured training step) are marked gpu and need $TD_TORCH_BUNDLE: a cutlass bundle
+built for the GPU holding fp16 GEMM and conv kernels (e.g. fp16_rcr_essential + conv_fp16_all_essential).
+"""
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch import nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import tiledispatch as td  # noqa: E402
+import tiledispatch.torch as tdt  # noqa: E402
+from conftest import REPO, build_cpu_bundle  # noqa: E402
+
+TORCH_SET = """\
+schema: 1
+name: torch_test
+description: small cpu kernels for the torch integration tests
+groups:
+  - backend: cpu
+    op: conv
+    direction: [fwd, bwd_data, bwd_weight]
+    spatial_dims: [1, 2, 3]
+    dtype: fp32
+    layout: nhwgc
+    pipeline: packed
+    tile: [16, 16, 24]
+    mma: [4, 16, 1]
+  - backend: cpu
+    op: conv
+    direction: [fwd, bwd_data, bwd_weight]
+    spatial_dims: 2
+    dtype: [fp16, bf16]
+    layout: nhwgc
+    pipeline: packed
+    tile: [16, 16, 24]
+    mma: [4, 16, 1]
+  - backend: cpu
+    op: gemm
+    dtype: fp32
+    layout: [rcr, rrr, crr]
+    pipeline: packed
+    tile: [96, 256, 256]
+    mma: [8, 32, 1]
+  - backend: cpu
+    op: gemm
+    dtype: fp32
+    layout: rcr
+    pipeline: packed
+    tile: [96, 256, 256]
+    mma: [8, 32, 1]
+    epilogue:
+      - {activation: [relu, gelu_tanh, silu, sigmoid, tanh, clamp], bias: true}
+      - {activation: identity, residuals: 1}
+"""
+# max ||out - ref|| / ||ref||: the kernels' validation tolerance; gradients pass through two GEMMs or
+# convolutions and the activation's derivative, so they get a few times more
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+GRAD_TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}
+
+
+@pytest.fixture(scope="module")
+def reg(tmp_path_factory):
+    # fp16 / bf16 GEMMs: the cpu kernels of the essential sets (rcr only, so their backward passes copy)
+    return build_cpu_bundle(tmp_path_factory.mktemp("torch_build"), "torch_test", TORCH_SET, "fp16_rcr_essential",
+                            "bf16_rcr_essential")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all(), "the output holds NaN or inf"
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def rand(*shape, dtype=torch.float32, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return ((torch.rand(*shape, generator=g, dtype=torch.float64) * 2 - 1) * scale).to(dtype)
+
+
+def leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone().requires_grad_(True)
+
+
+def test_import_tiledispatch_does_not_import_torch():
+    code = "import sys, tiledispatch; assert 'torch' not in sys.modules, 'torch was imported'"
+    env = {**os.environ, "PYTHONPATH": str(REPO / "runtime")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+
+
+# -- GEMM ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_float64_reference(reg, dtype, bias):
+    x = rand(3, 37, 29, dtype=dtype, seed=1)  # leading dims flattened into the GEMM's m
+    w = rand(23, 29, dtype=dtype, seed=2)
+    b = rand(23, dtype=dtype, seed=3) if bias else None
+    out = tdt.linear(x, w, b, registry=reg)
+    ref = F.linear(x.double(), w.double(), b.double() if bias else None)
+    assert out.shape == (3, 37, 23) and out.dtype == dtype
+    assert rel_err(out, ref) < TOL[dtype]
+    one = tdt.linear(x[0, 0], w, b, registry=reg)  # a single vector, as F.linear takes it
+    assert one.shape == (23,) and rel_err(one, ref[0, 0]) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_linear_grads_match_torch_autograd(reg, dtype):
+    """grad x, grad W and grad bias; fp32 has rcr, rrr and crr kernels (operands used in place), fp16 / bf16
+    only rcr (the backward GEMMs copy their operands into it)."""
+    x, w, b = rand(41, 30, dtype=dtype, seed=4), rand(19, 30, dtype=dtype, seed=5), rand(19, dtype=dtype, seed=6)
+    g = rand(41, 19, dtype=dtype, seed=7)
+    xs, ws, bs = leaf(x), leaf(w), leaf(b)
+    tdt.linear(xs, ws, bs, registry=reg).backward(g)
+    xr, wr, br = leaf(x.double()), leaf(w.double()), leaf(b.double())
+    F.linear(xr, wr, br).backward(g.double())
+    for mine, ref in ((xs, xr), (ws, wr), (bs, br)):
+        assert mine.grad.shape == ref.grad.shape and mine.grad.dtype == dtype
+        assert rel_err(mine.grad, ref.grad) < GRAD_TOL[dtype]
+    assert ws.grad.stride() == ws.stride()  # the weight's gradient comes out in the weight's layout
+
+
+TORCH_ACT = {"relu": torch.relu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh"), "silu": F.silu,
+             "sigmoid": torch.sigmoid, "tanh": torch.tanh, "clamp": lambda v: v.clamp(-0.3, 0.4)}
+
+
+@pytest.mark.parametrize("activation", list(TORCH_ACT))
+def test_fused_activation_forward_and_grads(reg, activation):
+    x, w, b = rand(33, 24, seed=8), rand(40, 24, seed=9), rand(40, seed=10, scale=0.5)
+    g = rand(33, 40, seed=11)
+    clamp = (-0.3, 0.4) if activation == "clamp" else None
+    xs, ws, bs = leaf(x), leaf(w), leaf(b)
+    out = tdt.linear(xs, ws, bs, registry=reg, activation=activation, clamp=clamp)
+    out.backward(g)
+    xr, wr, br = leaf(x.double()), leaf(w.double()), leaf(b.double())
+    ref = TORCH_ACT[activation](F.linear(xr, wr, br))
+    ref.backward(g.double())
+    assert rel_err(out, ref) < TOL[torch.float32]
+    for mine, theirs in ((xs, xr), (ws, wr), (bs, br)):
+        assert rel_err(mine.grad, theirs.grad) < GRAD_TOL[torch.float32], activation
+
+
+def test_residual_epilogue_and_its_grad(reg):
+    x, w, r = rand(17, 24, seed=12), rand(32, 24, seed=13), rand(17, 32, seed=14)
+    xs, ws, rs = leaf(x), leaf(w), leaf(r)
+    out = tdt.linear(xs, ws, registry=reg, residuals=(rs,))
+    out.backward(torch.ones_like(out))
+    assert rel_err(out, F.linear(x.double(), w.double()) + r.double()) < TOL[torch.float32]
+    assert torch.equal(rs.grad, torch.ones_like(r))
+    # a bias with the residual: no kernel fuses both, so both go in through beta * C, still differentiable
+    b = leaf(rand(32, seed=15))
+    out = tdt.linear(x, w, b, registry=reg, residuals=(r,))
+    assert rel_err(out, F.linear(x.double(), w.double(), b.double()) + r.double()) < TOL[torch.float32]
+
+
+def test_matmul_batched_and_strided_operands(reg):
+    a = rand(4, 21, 18, seed=16)
+    b_col = rand(4, 25, 18, seed=17).mT  # column-major [4, 18, 25]
+    out = tdt.matmul(a, b_col, registry=reg)
+    assert rel_err(out, a.double() @ b_col.double()) < TOL[torch.float32]
+    a_s, b_s = leaf(a), leaf(b_col.contiguous())
+    tdt.matmul(a_s, b_s, registry=reg).sum().backward()
+    a_r, b_r = leaf(a.double()), leaf(b_col.double().contiguous())
+    (a_r @ b_r).sum().backward()
+    assert rel_err(a_s.grad, a_r.grad) < GRAD_TOL[torch.float32]
+    assert rel_err(b_s.grad, b_r.grad) < GRAD_TOL[torch.float32]
+
+
+def test_gemm_refusals_are_clear(reg):
+    x, w = rand(8, 16), rand(4, 16)
+    with pytest.raises(td.UnsupportedProblemError, match="no fp32 GEMM kernel .*gelu_erf"):
+        tdt.linear(x, w, registry=reg, activation="gelu_erf")
+    with pytest.raises(td.InvalidInputError, match="unknown activation"):
+        tdt.linear(x, w, registry=reg, activation="swish")
+    with pytest.raises(td.InvalidInputError, match="inner dimensions differ"):
+        tdt.matmul(rand(8, 16), rand(15, 4), registry=reg)
+    with pytest.raises(td.InvalidInputError, match="no registry has handle"):
+        tdt.linear(x, w, registry=1234)
+    with pytest.raises(td.UnsupportedProblemError, match="no fp64"):
+        tdt.linear(x.double(), w.double(), registry=reg)
+    # bias and residual through beta * C (no kernel fuses both): checked as the fused kernels' operands are
+    with pytest.raises(td.InvalidInputError, match=r"residual 0 has shape \[1, 4\], expected \[8, 4\]"):
+        tdt.linear(x, w, rand(4), registry=reg, residuals=(rand(1, 4),))
+    with pytest.raises(td.InvalidInputError, match=r"bias has shape \[5\], expected \[4\]"):
+        tdt.linear(x, w, rand(5), registry=reg, residuals=(rand(8, 4),))
+
+
+# -- convolution ---------------------------------------------------------------------------------------------
+# (rank, N, C, K, groups, in size, filter, stride, dilation, pad_lo, pad_hi)
+CONVS = {
+    "1d_dense": (1, 2, 6, 10, 1, (23,), (3,), 2, 1, (1,), (2,)),
+    "2d_grouped": (2, 2, 12, 9, 3, (9, 8), (3, 2), (2, 1), (1, 2), (1, 0), (0, 1)),
+    "2d_depthwise": (2, 3, 8, 8, 8, (7, 7), (3, 3), 1, 1, (1, 1), (1, 1)),
+    "2d_pointwise": (2, 2, 16, 24, 1, (5, 6), (1, 1), 1, 1, (0, 0), (0, 0)),
+    "3d_dense": (3, 1, 4, 6, 1, (5, 6, 4), (3, 2, 3), 1, (1, 1, 2), (1, 0, 2), (1, 1, 0)),
+}
+
+
+def conv_case(name, dtype=torch.float32, channels_last=False):
+    rank, n, c, k, g, size, filt, stride, dil, lo, hi = CONVS[name]
+    x = rand(n, c, *size, dtype=dtype, seed=20)
+    w = rand(k, c // g, *filt, dtype=dtype, seed=21)
+    b = rand(k, dtype=dtype, seed=22)
+    if channels_last:
+        x, w = tdt._channels_last(x), tdt._channels_last(w)
+    return x, w, b, dict(stride=stride, dilation=dil, groups=g), (lo, hi)
+
+
+def torch_conv(x, w, b, geo, pads):
+    """torch's convNd with asymmetric padding (F.pad takes the last dim first)."""
+    lo, hi = pads
+    pad = [p for d in reversed(range(len(lo))) for p in (lo[d], hi[d])]
+    fn = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}[x.dim()]
+    return fn(F.pad(x, pad), w, b, **geo)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("name", list(CONVS))
+def test_conv_forward_and_grads_match_torch(reg, name, channels_last):
+    x, w, b, geo, (lo, hi) = conv_case(name, channels_last=channels_last)
+    xs, ws, bs = leaf(x), leaf(w), leaf(b)
+    out = tdt.conv(xs, ws, bs, registry=reg, pad_lo=lo, pad_hi=hi, **geo)
+    xr, wr, br = leaf(x.double()), leaf(w.double()), leaf(b.double())
+    ref = torch_conv(xr, wr, br, geo, (lo, hi))
+    assert out.shape == ref.shape and tdt._is_channels_last(out)
+    assert rel_err(out, ref) < TOL[torch.float32]
+    g = rand(*out.shape, seed=23)
+    out.backward(g)
+    ref.backward(g.double())
+    for mine, theirs in ((xs, xr), (ws, wr), (bs, br)):
+        assert rel_err(mine.grad, theirs.grad) < GRAD_TOL[torch.float32], name
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_conv_half_precision(reg, dtype):
+    x, w, b, geo, (lo, hi) = conv_case("2d_grouped", dtype)
+    xs, ws, bs = leaf(x), leaf(w), leaf(b)
+    out = tdt.conv(xs, ws, bs, registry=reg, pad_lo=lo, pad_hi=hi, **geo)
+    xr, wr, br = leaf(x.double()), leaf(w.double()), leaf(b.double())
+    ref = torch_conv(xr, wr, br, geo, (lo, hi))
+    assert out.dtype == dtype and rel_err(out, ref) < TOL[dtype]
+    g = rand(*out.shape, dtype=dtype, seed=24)
+    out.backward(g)
+    ref.backward(g.double())
+    for mine, theirs in ((xs, xr), (ws, wr), (bs, br)):
+        assert rel_err(mine.grad, theirs.grad) < GRAD_TOL[dtype]
+
+
+def test_channels_last_tensors_are_used_in_place(reg, monkeypatch):
+    """A channels-last input and weight reach the registry as the very same memory; an NCHW one is copied."""
+    from tiledispatch.ops import conv as conv_op
+
+    seen = []
+    original = conv_op.run  # what reg.conv_fwd runs, and tiledispatch.torch directly
+
+    def spy(registry, direction, x, w, *rest, **kw):
+        seen.append((x.data_ptr(), w.data_ptr()))
+        return original(registry, direction, x, w, *rest, **kw)
+
+    monkeypatch.setattr(conv_op, "run", spy)
+    x, w, b, geo, _ = conv_case("2d_grouped", channels_last=True)
+    tdt.conv(x, w, registry=reg, padding=1, **geo)
+    assert seen[-1] == (x.data_ptr(), w.data_ptr())
+    x_nchw = x.contiguous()
+    tdt.conv(x_nchw, w, registry=reg, padding=1, **geo)
+    assert seen[-1][0] != x_nchw.data_ptr() and seen[-1][1] == w.data_ptr()
+
+
+def test_conv_refusals_are_clear(reg):
+    x, w, b, geo, _ = conv_case("2d_grouped")
+    with pytest.raises(td.InvalidInputError, match="dtype"):
+        tdt.conv(x, w.half(), registry=reg, **geo)
+    with pytest.raises(td.UnsupportedProblemError):  # fp16 3D: the test bundle has 2D fp16 convolutions only
+        tdt.conv(rand(1, 4, 5, 5, 5, dtype=torch.float16), rand(4, 4, 3, 3, 3, dtype=torch.float16), registry=reg)
+    with pytest.raises(td.InvalidInputError, match="bias has shape"):
+        tdt.conv(x, w, b[:-1], registry=reg, **geo)
+
+
+# -- fake tensors and torch.compile ------------------------------------------------------------------------
+def test_fake_implementations_match_the_real_outputs(reg):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    h = tdt.register(reg)
+    x, w, b, geo, (lo, hi) = conv_case("2d_grouped")
+    s, d, gr = list(geo["stride"]), list(geo["dilation"]), geo["groups"]
+    y = torch.ops.tiledispatch.conv_fwd(x, w, b, [], "identity", float("-inf"), float("inf"), s, d, list(lo),
+                                        list(hi), gr, h)
+    dx = torch.ops.tiledispatch.conv_bwd_data(y, w, list(x.shape[2:]), s, d, list(lo), list(hi), gr, h)
+    dw = torch.ops.tiledispatch.conv_bwd_weight(x, y, list(w.shape[2:]), s, d, list(lo), list(hi), gr, h)
+    a, bb = rand(5, 7), rand(3, 7, 4)[0]
+    mm = torch.ops.tiledispatch.gemm(a, bb, None, [], "identity", float("-inf"), float("inf"), h)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fx, fw, fb, fy, fa, fbb = (mode.from_tensor(t) for t in (x, w, b, y, a, bb))
+        fakes = [torch.ops.tiledispatch.conv_fwd(fx, fw, fb, [], "identity", float("-inf"), float("inf"), s, d,
+                                                 list(lo), list(hi), gr, h),
+                 torch.ops.tiledispatch.conv_bwd_data(fy, fw, list(x.shape[2:]), s, d, list(lo), list(hi), gr, h),
+                 torch.ops.tiledispatch.conv_bwd_weight(fx, fy, list(w.shape[2:]), s, d, list(lo), list(hi), gr, h),
+                 torch.ops.tiledispatch.gemm(fa, fbb, None, [], "identity", float("-inf"), float("inf"), h)]
+    for real, fake in zip((y, dx, dw, mm), fakes):
+        assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype)
+
+
+def _profiled(fn) -> tuple[list, list]:
+    """The Python functions (file:name) a call enters and the torch tensor methods it calls, via sys.setprofile:
+    exact and deterministic, unlike a wall clock."""
+    frames, methods = [], []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            frames.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+        elif event == "c_call" and getattr(arg, "__qualname__", "").startswith(("Tensor.", "TensorBase.",
+                                                                               "Parameter.")):
+            methods.append(arg.__qualname__.split(".", 1)[1])
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return frames, methods
+
+
+def test_eager_inference_calls_skip_the_dispatcher_and_allocate_once(reg):
+    """Host cost guards of the eager inference path, counted rather than timed: tdt.linear / tdt.conv and patched
+    nn.Linear / nn.Conv2d layers (no grad needed, channels-last conv tensors, no bias) call the operator's
+    implementation directly (not through torch.ops), allocate the output with one call, fingerprint each tensor
+    the registry sees once, and run a bounded number of Python functions; fake and meta tensors still go through
+    the registered operators (their fake implementations)."""
+    h = tdt.register(reg)
+    x, w = rand(8, 16, seed=40), rand(24, 16, seed=41)
+    xc = rand(2, 8, 6, 6, seed=42).contiguous(memory_format=torch.channels_last)
+    wc = rand(8, 8, 3, 3, seed=43).contiguous(memory_format=torch.channels_last)
+    linear = nn.Linear(16, 24, bias=False).requires_grad_(False)
+    conv = nn.Conv2d(8, 8, 3, padding=1, bias=False).requires_grad_(False)
+    linear.weight.copy_(w)
+    conv.weight = nn.Parameter(wc, requires_grad=False)
+    tdt.patch(linear, reg)
+    tdt.patch(conv, reg)
+    want_linear, want_conv = F.linear(x, w), F.conv2d(xc, wc, padding=1)
+    # the most Python functions each path enters, the lambda and nn.Module's own __call__ frames included, and the
+    # overlap check that runs when the new output's pointer differs from the last one's
+    calls = {"tdt.linear": (lambda: tdt.linear(x, w, registry=h), want_linear, 21),
+             "tdt.conv": (lambda: tdt.conv(xc, wc, registry=h, padding=1), want_conv, 29),
+             "patched nn.Linear": (lambda: linear(x), want_linear, 22),
+             "patched nn.Conv2d": (lambda: conv(xc), want_conv, 30)}
+    with torch.no_grad():
+        for name, (call, want, most_frames) in calls.items():
+            call()
+            frames, methods = _profiled(call)
+            assert rel_err(call(), want) < TOL[torch.float32], name
+            assert not any("torch/_ops.py" in f for f in frames), (name, "went through torch.ops", frames)
+            assert len(frames) <= most_frames, (name, len(frames), frames)
+            allocations = [m for m in methods if m.startswith("new_empty")]
+            assert len(allocations) == 1, (name, methods)
+            assert methods.count("data_ptr") == 3, (name, methods)  # x, w, out: one fingerprint each
+            assert not {"movedim", "permute", "contiguous", "expand", "copy_", "clone"} & set(methods), (name, methods)
+
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = tdt.conv(mode.from_tensor(xc), mode.from_tensor(wc), registry=h, padding=1)
+        assert isinstance(fake, FakeTensor) and fake.shape == want_conv.shape and fake.stride() == want_conv.stride()
+    meta = tdt.linear(x.to("meta"), w.to("meta"), registry=h)
+    assert meta.is_meta and meta.shape == want_linear.shape
+    with torch.profiler.profile() as prof:  # a profile names the operators: they are dispatched while it runs
+        tdt.conv(xc, wc, registry=h, padding=1)
+    assert "tiledispatch::conv_fwd" in {e.name for e in prof.events()}
+
+
+class SmallNet(nn.Module):
+    """A CNN + MLP: dense, grouped, depthwise and pointwise 2D convolutions, a 1D convolution, Linear layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(16, 16, 3, stride=2, padding=1, groups=4, bias=False), nn.ReLU(),
+            nn.Conv2d(16, 16, 3, padding="same", groups=16), nn.ReLU(),
+            nn.Conv2d(16, 8, 1))
+        self.temporal = nn.Conv1d(8, 8, 3, padding=1, padding_mode="reflect")
+        self.head = nn.Sequential(nn.Linear(8 * 16, 32), nn.GELU(), nn.Linear(32, 10))
+
+    def forward(self, x):
+        f = self.features(x)                         # [N, 8, 4, 4]
+        t = self.temporal(f.flatten(2))              # [N, 8, 16]
+        return self.head(t.flatten(1))
+
+
+def _routed_calls(monkeypatch, reg) -> list:
+    """Names of the registry entry points the calls reach: gemm, conv_fwd, conv_bwd_data, conv_bwd_weight (the
+    convolutions by the op module's run(), which Registry.conv_* and tiledispatch.torch both enter)."""
+    from tiledispatch.ops import conv as conv_op
+
+    calls = []
+    original_gemm, original_run = type(reg).gemm, conv_op.run
+
+    def gemm_spy(self, *args, **kw):
+        calls.append("gemm")
+        return original_gemm(self, *args, **kw)
+
+    def run_spy(registry, direction, *args, **kw):
+        calls.append(f"conv_{direction}")
+        return original_run(registry, direction, *args, **kw)
+
+    monkeypatch.setattr(type(reg), "gemm", gemm_spy)
+    monkeypatch.setattr(conv_op, "run", run_spy)
+    return calls
+
+
+def test_patch_matches_the_unpatched_model_and_unpatch_restores(reg, monkeypatch):
+    torch.manual_seed(0)
+    model = SmallNet()
+    twin = copy.deepcopy(model)
+    x = rand(2, 3, 8, 8, seed=30)
+    report = tdt.patch(model, reg, example_inputs=x)
+    calls = _routed_calls(monkeypatch, reg)
+
+    names = [r.name for r in report.layers]
+    assert names == ["features.0", "features.2", "features.4", "features.6", "temporal", "head.0", "head.2"]
+    assert not report.unsupported and all(r.status == "tiledispatch" for r in report.layers)
+    for r in report.layers:  # the model's parameters require grad: every direction reported, each a real kernel
+        assert set(r.kernels) == {"fwd", "bwd_data", "bwd_weight"}, r
+        assert all(k.startswith(("gemm_", "conv")) for k in r.kernels.values()), r
+    temporal = next(r for r in report.layers if r.name == "temporal")
+    assert any("reflect" in n for n in temporal.notes)
+    assert any("input converted to channels-last" in n for n in report.layers[0].notes)
+    assert "7 layer(s) on the bundle, 0 on PyTorch" in str(report)
+    assert report.to_dict()["patched"] == 7
+
+    out = model(x)
+    ref = twin(x)
+    assert rel_err(out, ref) < 1e-5
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert rel_err(p.grad, q.grad) < GRAD_TOL[torch.float32], name
+    assert {"gemm", "conv_fwd", "conv_bwd_data", "conv_bwd_weight"} <= set(calls)
+    assert "conv_bwd_data" in calls and calls.count("conv_fwd") == 5
+
+    tdt.unpatch(model)
+    calls.clear()
+    assert rel_err(model(x), twin(x)) < 1e-6
+    assert calls == [] and not any("forward" in m.__dict__ for m in model.modules())
+    assert list(model.state_dict()) == list(twin.state_dict())
+
+
+def test_patch_under_autocast_matches_torch_autocast(reg):
+    """fp32 parameters run in bf16 under torch.autocast, as torch's own layers do; the gradients come back fp32."""
+    torch.manual_seed(0)
+    model = SmallNet()
+    twin = copy.deepcopy(model)
+    x = rand(2, 3, 8, 8, seed=32)
+    report = tdt.patch(model, reg, autocast=torch.bfloat16, example_inputs=x)
+    status = {r.name: r for r in report.layers}
+    # the test bundle's bf16 convolutions are 2D only: the Conv1d stays on PyTorch, named as such
+    assert status["temporal"].status == "pytorch" and "no bf16 conv1d" in status["temporal"].reason
+    assert all(r.status == "tiledispatch" and r.dtype == "bf16" for n, r in status.items() if n != "temporal")
+    assert all("bf16" in k for r in report.patched for k in r.kernels.values())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+        ref = twin(x)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    assert rel_err(out, ref) < 2e-2
+    out.float().square().sum().backward()
+    ref.float().square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert p.grad.dtype == torch.float32 and rel_err(p.grad, q.grad) < 5e-2, name
+
+
+class ScaledLinear(nn.Linear):
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def test_patch_leaves_unsupported_dtypes_on_pytorch_and_patched_layers_raise(reg):
+    model = nn.Sequential(nn.Linear(8, 8).double(), nn.Conv2d(4, 4, 3).half(), nn.Conv3d(2, 2, 1).half(),
+                          nn.Conv2d(4, 4, 3), ScaledLinear(4, 4))
+    report = tdt.patch(model, reg)
+    status = {r.name: (r.status, r.reason) for r in report.layers}
+    assert status["0"] == ("pytorch", "the bundle has no fp64 GEMM kernels")
+    assert status["1"][0] == "tiledispatch"
+    assert status["2"][0] == "pytorch" and "no fp16 conv3d fwd / bwd_data / bwd_weight kernels" in status["2"][1]
+    assert status["4"] == ("pytorch", "ScaledLinear overrides Linear.forward: not a plain Linear call")
+    assert len(report.unsupported) == 3
+    assert "forward" not in model[0].__dict__  # left exactly as it was
+    # a patched layer that later meets a problem the bundle cannot run raises; it never falls back to torch
+    model[3].double()
+    with pytest.raises(td.UnsupportedProblemError, match="fp64"):
+        model[3](rand(1, 4, 6, 6, dtype=torch.float64))
+
+
+def test_compile_fullgraph_traces_the_operators_forward_and_backward(reg):
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return make_boxed_func(gm.forward)
+
+    torch.manual_seed(0)
+    model = SmallNet()
+    twin = copy.deepcopy(model)
+    tdt.patch(model, reg)
+    tdt.patch(twin, reg)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture))
+    x = rand(2, 3, 8, 8, seed=31)
+    out = compiled(x)
+    out.sum().backward()
+    ref = twin(x)
+    ref.sum().backward()
+    assert rel_err(out, ref) < 1e-6
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert rel_err(p.grad, q.grad) < 1e-5
+    forward, backward = graphs
+    assert {"tiledispatch.gemm.default", "tiledispatch.conv_fwd.default"} <= forward
+    assert {"tiledispatch.gemm.default", "tiledispatch.conv_bwd_data.default",
+            "tiledispatch.conv_bwd_weight.default"} <= backward
+
+
+# -- GPU: operators on CUDA tensors and a CUDA-graph captured training step --------------------------------------
+def _gpu_registry():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    path = os.environ.get("TD_TORCH_BUNDLE")
+    if not path:
+        pytest.skip("set TD_TORCH_BUNDLE to a cutlass bundle with fp16 GEMM and conv kernels "
+                    "(e.g. fp16_rcr_essential + conv_fp16_all_essential)")
+    return td.load(path)
+
+
+@pytest.mark.gpu
+def test_gpu_operators_match_torch():
+    reg = _gpu_registry()
+    dev, dt = "cuda", torch.float16
+    x, w, b = rand(64, 256, dtype=dt).to(dev), rand(128, 256, dtype=dt).to(dev), rand(128, dtype=dt).to(dev)
+    assert rel_err(tdt.linear(x, w, b, registry=reg), F.linear(x.double(), w.double(), b.double())) < 2e-3
+    xc = tdt._channels_last(rand(4, 64, 14, 14, dtype=dt, seed=2).to(dev))
+    wc = tdt._channels_last(rand(64, 64, 3, 3, dtype=dt, seed=3, scale=0.1).to(dev))
+    xs, ws = leaf(xc), leaf(wc)
+    out = tdt.conv(xs, ws, registry=reg, padding=1)
+    xr, wr = leaf(xc.double()), leaf(wc.double())
+    ref = F.conv2d(xr, wr, padding=1)
+    assert rel_err(out, ref) < 2e-3
+    g = rand(*out.shape, dtype=dt, seed=4).to(dev)
+    out.backward(g)
+    ref.backward(g.double())
+    assert rel_err(xs.grad, xr.grad) < 1e-2 and rel_err(ws.grad, wr.grad) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_captures_and_replays_a_training_step():
+    reg = _gpu_registry()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1, bias=False), nn.ReLU(),
+                          nn.Conv2d(32, 32, 3, padding=1, groups=32, bias=False), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(32 * 8 * 8, 64)).cuda().half().to(memory_format=torch.channels_last)
+    eager = copy.deepcopy(model)
+    report = tdt.patch(model, reg)
+    assert not report.unsupported, str(report)
+    tdt.patch(eager, reg)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    opt_eager = torch.optim.SGD(eager.parameters(), lr=1e-2)
+    static_x = tdt._channels_last(torch.randn(8, 16, 8, 8, device="cuda", dtype=torch.float16))
+
+    def step(m, o, x):
+        o.zero_grad(set_to_none=False)
+        loss = m(x).float().square().mean()
+        loss.backward()
+        o.step()
+        return loss
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: plans, selections and workspaces, as CUDA graphs require
+        for _ in range(3):
+            step(model, opt, static_x)
+            step(eager, opt_eager, static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):  # the warmed-up stream: its plans and workspaces
+        static_loss = step(model, opt, static_x)
+    for i in range(3):
+        static_x.copy_(torch.randn_like(static_x))
+        graph.replay()
+        loss = step(eager, opt_eager, static_x)
+        torch.cuda.synchronize()
+        assert abs(static_loss.item() - loss.item()) <= 1e-3 * abs(loss.item()) + 1e-6, i
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert rel_err(p, q) < 1e-3
+
+
+def test_bench_models_runs_on_the_cpu(reg, tmp_path):
+    """bench/benchmarks/models.py end to end on the cpu backend (tiny sizes): the patched and fused models match eager
+    and the JSON holds the reports, the per-layer comparison and the host overhead."""
+    import json
+
+    bundle = Path(reg.kernels[0].path).parents[1]  # <bundle>/kernels/<kernel>.so
+    env = {**os.environ, "PYTHONPATH": str(REPO / "runtime")}
+    cmd = [sys.executable, str(REPO / "bench" / "benchmarks" / "models.py"), "--device", "cpu", "--tiny", "--quick",
+           "--bundle", str(bundle), "--models", "llama3_8b_decode8,convnext_tiny,mobilenet_v2", "--variants",
+           "eager,tiledispatch,fused",
+           "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "models_cpu_tiny.json").read_text())
+    for case in ("llama3_8b_decode8", "convnext_tiny", "mobilenet_v2"):
+        r = result["cases"][case]
+        assert r["variants"]["tiledispatch"]["out_rel_err"] < 1e-5, r["variants"]
+        assert r["variants"]["fused"]["out_rel_err"] < 1e-5 and r["variants"]["fused"]["out_within_tolerance"]
+        assert r["fuse_report"]["patch"]["unsupported"] == 0
+        assert r["patch_report"]["unsupported"] == 0 and r["unsupported_layers"] == []
+        assert r["layers"] and all("tiledispatch_ms" in row and "pytorch_ms" in row for row in r["layers"])
+    # MobileNetV2's stand-in: every conv with its folded batch norm (and ReLU6 / residual) in one call
+    fused = result["cases"]["mobilenet_v2"]["fuse_report"]["fused"]
+    assert len(fused) == 7 and all("batch norm folded" in f["epilogue"] for f in fused)
+    assert result["host_overhead"]["tiledispatch.torch.linear"]["median_us"] > 0
+    assert set(result["host_overhead"]["registration"]) == {"python function", "Library define + impl",
+                                                            "torch.library.custom_op"}

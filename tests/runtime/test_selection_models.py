@@ -1,0 +1,183 @@
+"""The learned ranker (a shipped tree ensemble evaluated with numpy) and measured tuning (autotune with a
+persistent per-device record)."""
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tiledispatch as td
+from tiledispatch import learned, reference, selection, tuning, validation
+from tiledispatch.ops.gemm import GemmProblem
+from tiledispatch.spec.key import parse_kernel_name
+
+REPO = Path(__file__).resolve().parents[2]
+SWEEP = REPO / "bench" / "results" / "sweep_gemm_h100.json"
+
+
+class Named:  # what rankers take
+    def __init__(self, key):
+        self.key, self.name = key, key.name
+
+
+def sweep_kernels():
+    return [Named(parse_kernel_name(n)) for n in json.loads(SWEEP.read_text())["kernels"]]
+
+
+def fp16(m, n, k, dtype="fp16"):
+    return GemmProblem(m, n, k, dtype, dtype, dtype, "rcr")
+
+
+# -- the model ------------------------------------------------------------------------------------
+def test_numpy_trees_match_lightgbm():
+    lgb = pytest.importorskip("lightgbm")
+    sys.path.insert(0, str(REPO / "bench" / "sweeps"))
+    import train_ranker
+
+    kernels = sweep_kernels()
+    rng = np.random.default_rng(0)
+    problems = [fp16(int(rng.integers(1, 5000)), 8 * int(rng.integers(1, 600)), 8 * int(rng.integers(1, 600)))
+                for _ in range(30)]
+    x = np.array([learned.gemm_features(p, k.key) for p in problems for k in kernels])
+    y = rng.normal(size=len(x)) + x[:, 5] / 100  # any target: only the evaluation is under test
+    booster = lgb.train({"objective": "regression", "num_leaves": 15, "verbose": -1, "min_child_samples": 5},
+                        lgb.Dataset(x, y), num_boost_round=20)
+    model = learned.Model(train_ranker.to_model(booster, {"backend": "cutlass", "arch": "sm90a", "op": "gemm",
+                                                          "dtypes": ["fp16"], "layouts": ["rcr"]}, {}))
+    np.testing.assert_allclose(model.trees.predict(x), booster.predict(x), rtol=1e-12, atol=1e-12)
+
+
+def test_shipped_model_beat_analytic_in_training():
+    model = learned.model_for("cutlass", "sm90a", "gemm")
+    assert model is not None, "runtime/tiledispatch/models/cutlass_sm90a_gemm.json is missing"
+    cv = model.meta["cross_validated"]
+    # recorded at training time on held-out shapes: the learned ranker must beat the analytic one
+    assert cv["learned"]["mean"] > cv["analytic"]["mean"] and cv["learned"]["p10"] > cv["analytic"]["p10"]
+    assert model.meta["shapes"] >= 200
+
+
+def test_learned_ranking_on_measured_shapes():
+    """The shipped model, evaluated here with numpy, makes the picks training recorded on the benchmark
+    suite's shapes, which it never trained on."""
+    sys.path.insert(0, str(REPO / "bench" / "sweeps"))
+    import train_ranker
+
+    model = learned.model_for("cutlass", "sm90a", "gemm")
+    _, shapes = train_ranker.load_shapes([str(REPO / "bench" / "results" / s) for s in model.meta["sweeps"]])
+    effs = []
+    for s in shapes:
+        if s["role"] == "suite":
+            kernels = [Named(k) for k in s["keys"]]
+            pick = selection.learned(s["problem"], kernels)[0]
+            effs.append(s["times"].min() / s["times"][s["names"].index(pick.name)])
+    recorded = model.meta["benchmark_suite_unseen"]["learned"]
+    assert len(effs) == recorded["shapes"]
+    assert math.isclose(sum(effs) / len(effs), recorded["mean"], rel_tol=1e-9)
+    assert recorded["mean"] > model.meta["benchmark_suite_unseen"]["analytic"]["mean"]
+
+
+def test_learned_falls_back_to_analytic_where_no_model_applies():
+    fp16_kernels = sweep_kernels()[:6]
+    problem = fp16(512, 512, 512)
+    assert learned.rank(problem, fp16_kernels) is not None
+
+    def retyped(kern, dtype):
+        sig = dataclasses.replace(kern.key.signature, dtype_a=dtype, dtype_b=dtype, dtype_c=dtype)
+        return Named(dataclasses.replace(kern.key, signature=sig))
+
+    assert learned.rank(fp16(512, 512, 512, "bf16"), [retyped(k, "bf16") for k in fp16_kernels]) is not None
+    fp32_kernels = [retyped(k, "fp32") for k in fp16_kernels]  # the model covers fp16/bf16 only
+    fp32_problem = fp16(512, 512, 512, "fp32")
+    assert learned.rank(fp32_problem, fp32_kernels) is None
+    assert selection.learned(fp32_problem, fp32_kernels) == selection.analytic(fp32_problem, fp32_kernels)
+
+
+def test_model_with_other_features_is_refused(tmp_path):
+    data = json.loads(learned.model_path("cutlass", "sm90a", "gemm").read_text())
+    data["features"] = data["features"][::-1]
+    with pytest.raises(ValueError, match="features differ"):
+        learned.Model(data, "reordered")
+    data["schema"] = 99
+    with pytest.raises(ValueError, match="model schema 99"):
+        learned.Model(data, "future")
+
+
+# -- tuning ---------------------------------------------------------------------------------------
+@pytest.fixture
+def cache_file(tmp_path):
+    return tmp_path / "tuning.json"
+
+
+def inputs(m=96, n=80, k=64, with_c=False):
+    p = GemmProblem(m, n, k, "fp16", "fp16", "fp16", "rcr")
+    return p, validation.gemm_inputs(p, np.random.default_rng(5), with_c=with_c)
+
+
+def test_autotune_records_and_reuses_the_winner(gemm_bundle, cache_file):
+    reg = td.load(gemm_bundle, autotune=True, tuning_cache=tuning.TuningCache(cache_file))
+    p, t = inputs()
+    out = reg.gemm(t["a"][0], t["b"][0], t["out"][0])
+    assert validation.compare(out, reference.gemm(t["a"][0], t["b"][0]), reg.kernels[0].key)["passed"]
+    (device, records), = json.loads(cache_file.read_text())["devices"].items()
+    assert device == tuning.device_identity("cpu")
+    (key, rec), = records.items()
+    fits = reg.candidates(p)
+    assert key == tuning.problem_key(p, [k.name for k in fits])
+    assert rec["kernel"] == min(rec["times_ms"], key=rec["times_ms"].get)
+    assert 1 <= len(rec["times_ms"]) <= 12 and set(rec["times_ms"]) <= {k.name for k in fits}
+
+    # a fresh registry (another process) selects the recorded kernel without timing: make the record
+    # name the candidate the learned/analytic ranking puts last, so only the record can explain the pick
+    last = selection.learned(p, fits)[-1].name
+    rec["kernel"] = last
+    cache_file.write_text(json.dumps({"schema": tuning.SCHEMA, "devices": {device: {key: rec}}}))
+    again = td.load(gemm_bundle, tuning_cache=tuning.TuningCache(cache_file))
+    assert again.select(p).name == last
+    assert again.select(p, ranker="analytic").name == selection.analytic(p, fits)[0].name
+
+
+def test_records_of_other_devices_or_kernels_are_ignored(gemm_bundle, cache_file):
+    p, _ = inputs()
+    reg = td.load(gemm_bundle, tuning_cache=tuning.TuningCache(cache_file))
+    fits = reg.candidates(p)
+    key = tuning.problem_key(p, [k.name for k in fits])
+    default = selection.learned(p, fits)[0].name
+    other = next(k.name for k in fits if k.name != default)
+    cache_file.write_text(json.dumps({"schema": 1, "devices": {
+        "cuda:Some Other GPU:1 SMs": {key: {"kernel": other}},
+        tuning.device_identity("cpu"): {key: {"kernel": "gemm_no_such_kernel"}}}}))
+    assert td.load(gemm_bundle, tuning_cache=tuning.TuningCache(cache_file)).select(p).name == default
+
+
+def test_unreadable_cache_is_reported_and_ignored(gemm_bundle, cache_file):
+    cache_file.write_text("{not json")
+    reg = td.load(gemm_bundle, autotune=True, tuning_cache=tuning.TuningCache(cache_file))
+    p, t = inputs()
+    with pytest.warns(UserWarning, match="unreadable tuning cache"):
+        reg.gemm(t["a"][0], t["b"][0], t["out"][0])
+    assert json.loads(cache_file.read_text())["schema"] == tuning.SCHEMA  # replaced by a valid file
+
+
+def test_tuning_with_beta_keeps_the_old_output(gemm_bundle, cache_file):
+    """The timing launches write the output; with beta != 0 the result still uses the caller's values."""
+    reg = td.load(gemm_bundle, autotune=True, tuning_cache=tuning.TuningCache(cache_file))
+    p, t = inputs(with_c=True)
+    a, b, c = t["a"][0], t["b"][0], t["c"][0]
+    out = c.copy()  # accumulate into out: out = a @ b + 1.0 * out
+    expect = reference.gemm(a, b, out.copy(), beta=1.0)
+    reg.gemm(a, b, out, c=out, beta=1.0)
+    assert validation.compare(out, expect, reg.kernels[0].key)["passed"]
+    assert json.loads(cache_file.read_text())["devices"]
+
+
+def test_tune_api_times_only_top_candidates(gemm_bundle, cache_file):
+    """top bounds the kernels timed; the record is what select() uses afterwards."""
+    reg = td.load(gemm_bundle, tuning_cache=tuning.TuningCache(cache_file))
+    p, t = inputs()
+    kern = reg.tune(p, {"a": t["a"], "b": t["b"], "out": t["out"]}, top=2)
+    (rec,) = next(iter(json.loads(cache_file.read_text())["devices"].values())).values()
+    assert len(rec["times_ms"]) == min(2, len(reg.candidates(p))) and kern.name == rec["kernel"]
+    assert reg.select(p).name == kern.name
