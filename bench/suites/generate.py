@@ -124,7 +124,8 @@ def record_model(model, example) -> tuple[list[dict], list[dict]]:
             tokens *= d
         gemms.extend(linear_records(mod.in_features, mod.out_features, tokens, x.requires_grad))
 
-    handles = [m.register_forward_hook(on_conv) for m in model.modules() if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d))]
+    conv_types = (nn.Conv1d, nn.Conv2d, nn.Conv3d)  # and their subclasses (torchvision's video convolutions)
+    handles = [m.register_forward_hook(on_conv) for m in model.modules() if isinstance(m, conv_types)]
     handles += [m.register_forward_hook(on_linear) for m in model.modules() if isinstance(m, nn.Linear)]
     try:
         model(example)
@@ -139,8 +140,8 @@ CONV_FIELDS = ("rank", "n", "c", "k", "groups", "in_size", "filter", "stride", "
 
 
 def out_size(layer: dict) -> list[int]:
-    return [(s + a + b - d * (f - 1) - 1) // st + 1 for s, a, b, d, f, st in
-            zip(layer["in_size"], layer["pad_lo"], layer["pad_hi"], layer["dilation"], layer["filter"], layer["stride"])]
+    return [(s + a + b - d * (f - 1) - 1) // st + 1 for s, a, b, d, f, st in zip(
+        layer["in_size"], layer["pad_lo"], layer["pad_hi"], layer["dilation"], layer["filter"], layer["stride"])]
 
 
 def conv_class(layer: dict) -> str:
