@@ -260,3 +260,45 @@ def test_runner_check_catches_wrong_and_missing_results():
         raise UnsupportedProblemError("no kernel can run it\n  details")
 
     assert run(refuse) == {"dtype": "fp16", "status": "no kernel", "reason": "no kernel can run it\n  details"}
+
+
+# ---- preselected sets: kernel counts and cold build times (item 5) ---------------------------------------------
+preselected_build = _module("preselected_build", REPO / "bench" / "benchmarks" / "preselected_build.py")
+
+
+def test_preselected_readme_table_is_what_the_sets_and_results_give():
+    text = preselected_build.README.read_text()
+    start, stop = text.index(preselected_build.BEGIN), text.index(preselected_build.END)
+    written = text[start:stop + len(preselected_build.END)]
+    want = preselected_build.render_table(preselected_build.read_results(preselected_build.RESULTS))
+    assert written == want, "run: python3 bench/benchmarks/preselected_build.py table"
+
+
+def test_preselected_table_shows_counts_and_measured_times():
+    sets = preselected_build.counts()
+    assert sets["fp16_rcr_full"] == {"cutlass/sm90a": 42}
+    assert sets["conv_fp16_all_essential"]["cutlass/sm90a"] >= sets["conv_fp16_fwd_essential"]["cutlass/sm90a"]
+    results = {"machine": {"cpu_count": 16, "jobs": 16, "nvcc": "Build cuda_13.0"},
+               "sets": {"fp16_rcr_full cutlass/sm90a": {"kernels": 42, "cold_seconds": 150.0}}}
+    table = preselected_build.render_table(results)
+    assert "Cold builds: 16 cores, -j16, Build cuda_13.0." in table
+    row = next(line for line in table.splitlines() if line.startswith("| `fp16_rcr_full` |"))
+    assert "| 42 |" in row and "| 2.5 min |" in row
+    row = next(line for line in table.splitlines() if line.startswith("| `fp16_rcr_essential` |"))
+    assert "not measured" in row
+
+
+def test_preselected_measure_goes_on_across_calls(monkeypatch, tmp_path):
+    """A set cut off by the budget goes on at the next call; its cold time is the sum of its attempts."""
+    attempts = iter([{"seconds": 500.0, "rc": None}, {"seconds": 70.0, "rc": 0}, {"seconds": 90.0, "rc": 0}])
+    sets = {"big": {"cutlass/sm90a": 9}, "small": {"cutlass/sm90a": 2}, "amd": {"ck_tile/gfx942": 3}}
+    monkeypatch.setattr(preselected_build, "counts", lambda: sets)
+    seen = []
+    monkeypatch.setattr(preselected_build, "build", lambda name, *_: seen.append(name) or next(attempts))
+    args = ["measure", "--archs", "sm90a", "--out", str(tmp_path / "r.json"), "--state", str(tmp_path)]
+    assert preselected_build.main(args) == 3  # the smallest set first, cut off: call again
+    assert preselected_build.main(args) == 0
+    result = json.loads((tmp_path / "r.json").read_text())["sets"]
+    assert seen == ["small", "small", "big"]
+    assert result["small cutlass/sm90a"]["cold_seconds"] == 570.0
+    assert result["big cutlass/sm90a"]["cold_seconds"] == 90.0 and "amd cutlass/sm90a" not in result
