@@ -371,10 +371,10 @@ def plot(rows: list[dict], path: Path, title: str) -> bool:
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False, sharey=True)
     for ax, panel in zip(axes[0], panels):
         rs = [r for r in rows if r[by] == panel and "speedup" in r]
-        lines = sorted({r.get("cls", r.get("pass")) for r in rs})
-        for line in lines:
-            ys = sorted(r["speedup"] for r in rs if r.get("cls", r.get("pass")) == line)
-            ax.plot([i / max(1, len(ys) - 1) for i in range(len(ys))], ys, label=f"{line} ({len(ys)})")
+        line_of = (lambda r: f"{r['cls']} {r['rank']}D") if by == "direction" else (lambda r: r["pass"])  # noqa: E731
+        for line in sorted({line_of(r) for r in rs}):
+            ys = sorted(r["speedup"] for r in rs if line_of(r) == line)
+            ax.plot([i / max(1, len(ys) - 1) for i in range(len(ys))], ys, ".-", ms=3, label=f"{line} ({len(ys)})")
         ks = sorted(r["speedup_kernel"] for r in rs)
         ax.plot([i / max(1, len(ks) - 1) for i in range(len(ks))], ks, "k:", lw=0.8, label="kernel alone, all")
         ax.axhline(1.0, color="k", lw=0.6)
@@ -397,7 +397,7 @@ def write_report(paths: list[Path], out: Path, info: dict) -> dict:
     summary = summarize(rows)
     result = {**info, "summary": summary, "rows": rows}
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    title = f"{info.get('suite', '')} suite, {info.get('machine', {}).get('gpu', info.get('device', ''))}"
+    title = f"{info.get('suite', '')} suite, {info.get('machine', {}).get('gpu') or 'cpu'}"
     drawn = plot(rows, out.with_suffix(".png"), title)
     for name, g in summary.items():
         if "geomean" in g:
@@ -467,7 +467,9 @@ def main(argv=None) -> int:
         print(f"peer-only process: {time.time() - start:.0f} s", flush=True)
     run_points(a, a.suite, selection, a.out / f"{stem}.jsonl", False, done)
     paths = [p for p in (a.out / f"{stem}.jsonl", a.out / f"{stem}_peer.jsonl") if p.exists()]
-    info = {"suite": a.suite, "machine": machine(a.device), "device": a.device, "bundles": a.bundles,
+    bundles = {b: {k: v for k, v in json.loads((Path(b) / "manifest.json").read_text()).items() if k != "kernels"}
+               for b in a.bundles}  # what built them (toolchain, sets), not the kernel list
+    info = {"suite": a.suite, "machine": machine(a.device), "device": a.device, "bundles": bundles,
             "shard": list(a.shard), "points": len(selection), "seconds": round(time.time() - start, 1),
             "timing": f"median of {REPEATS} batches of back-to-back calls (about {TARGET_MS} ms a batch), CUDA events; "
                       "speedup = fastest peer (either form, either process) / our public call; speedup_kernel: the "
