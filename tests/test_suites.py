@@ -302,3 +302,20 @@ def test_preselected_measure_goes_on_across_calls(monkeypatch, tmp_path):
     assert seen == ["small", "small", "big"]
     assert result["small cutlass/sm90a"]["cold_seconds"] == 570.0
     assert result["big cutlass/sm90a"]["cold_seconds"] == 90.0 and "amd cutlass/sm90a" not in result
+
+
+def test_runner_markdown_table_has_a_row_per_group():
+    rows = [{"id": "a", "direction": "fwd", "dtype": "fp16", "cls": "dense", "rank": 2, "weight": 3, "status": "ok",
+             "peer_ms": {"cudnn": 1.0}, "ours_ms": 2.0, "kernel_ms": 1.0},
+            {"id": "b", "direction": "fwd", "dtype": "fp16", "cls": "grouped", "rank": 2, "weight": 1,
+             "status": "no kernel", "reason": "none"}]
+    for r in rows:  # as merged_rows completes them
+        if "ours_ms" in r:
+            r.update(speedup=r["peer_ms"]["cudnn"] / r["ours_ms"], speedup_kernel=r["peer_ms"]["cudnn"] / r["kernel_ms"])
+    summary = suite_runner.summarize(rows)
+    assert summary["fwd"]["points"] == 2 and summary["fwd"]["no_kernel"] == 1 and summary["fwd"]["geomean"] == 0.5
+    assert summary["fwd dense"]["below_0_7"] == 1 and "geomean" not in summary["fwd grouped"]
+    table = suite_runner.markdown(summary, "t").splitlines()
+    body = [line for line in table if line.startswith("| ") and not line.startswith("| group")]
+    assert len(body) == len(summary) and all(line.count("|") == table[2].count("|") for line in body)
+    assert "0.50 (`a fwd fp16`)" in next(line for line in body if line.startswith("| fwd dense |"))

@@ -18,8 +18,9 @@ Points are (layer, direction) of the conv suite (the directions a training step 
 the GEMM suite; --shard I/N takes every N-th point from the I-th (0-based) so shards have alike mixes, --limit
 the first N of those. Results are appended to DIR/<suite>[_shard].jsonl as each point finishes (a call cut off
 keeps what it measured; --resume DIR skips the points already there), then DIR/<suite>[_shard].json (machine,
-versions, summary: per direction / pass, class and rank / dtype, the geomean and minimum of peer / ours) and a
-PNG of the sorted ratios when matplotlib is present. `report` merges shards the same way.
+versions, summary: per direction / pass, class and rank / dtype, the geomean and minimum of peer / ours), the
+summary as a markdown table (.md) and a PNG of the sorted ratios when matplotlib is present. `report` merges
+shards the same way.
 
 --device cpu (with a cpu bundle) runs the same construction and checks on the CPU against PyTorch's CPU ops,
 timed with perf_counter: a test of this script (tests/test_suites.py), not a benchmark.
@@ -392,12 +393,31 @@ def plot(rows: list[dict], path: Path, title: str) -> bool:
     return True
 
 
+def markdown(summary: dict, title: str) -> str:
+    """The summary as a table for the README: one row per group."""
+    lines = [f"{title}: peer time / ours through the public call (> 1: ours faster); kernel alone: the selected "
+             "kernel launched by itself (diagnostic)", "",
+             "| group | points | timed | geomean | weighted by use | min (worst point) | below 0.7x | kernel alone "
+             "| no kernel | wrong / error |", "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+    for name, g in summary.items():
+        if "geomean" in g:
+            worst = g["worst"].replace("|", " ")  # a point's key, not a table cell's end
+            cells = [f"{g['geomean']:.3f}", f"{g['geomean_weighted']:.3f}", f"{g['min']:.2f} (`{worst}`)",
+                     str(g["below_0_7"]), f"{g['geomean_kernel_only']:.3f}"]
+        else:
+            cells = ["-"] * 5
+        lines.append(f"| {name} | {g['points']} | {g['timed']} | " + " | ".join(cells)
+                     + f" | {g['no_kernel']} | {g['wrong_result']} / {g['error']} |")
+    return "\n".join(lines) + "\n"
+
+
 def write_report(paths: list[Path], out: Path, info: dict) -> dict:
     rows = merged_rows(paths)
     summary = summarize(rows)
     result = {**info, "summary": summary, "rows": rows}
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     title = f"{info.get('suite', '')} suite, {info.get('machine', {}).get('gpu') or 'cpu'}"
+    out.with_suffix(".md").write_text(markdown(summary, title))
     drawn = plot(rows, out.with_suffix(".png"), title)
     for name, g in summary.items():
         if "geomean" in g:
@@ -406,7 +426,7 @@ def write_report(paths: list[Path], out: Path, info: dict) -> dict:
                   f"no kernel {g['no_kernel']}  wrong {g['wrong_result']}  error {g['error']}")
         else:
             print(f"{name:36s} {g['points']:5d} points, none timed (no kernel {g['no_kernel']}, error {g['error']})")
-    print(f"wrote {out.with_suffix('.json')}" + (f" and {out.with_suffix('.png')}" if drawn else ""))
+    print(f"wrote {out.with_suffix('.json')}, .md" + (" and .png" if drawn else ""))
     return result
 
 
