@@ -311,7 +311,8 @@ def test_runner_markdown_table_has_a_row_per_group():
              "status": "no kernel", "reason": "none"}]
     for r in rows:  # as merged_rows completes them
         if "ours_ms" in r:
-            r.update(speedup=r["peer_ms"]["cudnn"] / r["ours_ms"], speedup_kernel=r["peer_ms"]["cudnn"] / r["kernel_ms"])
+            r.update(speedup=r["peer_ms"]["cudnn"] / r["ours_ms"],
+                     speedup_kernel=r["peer_ms"]["cudnn"] / r["kernel_ms"])
     summary = suite_runner.summarize(rows)
     assert summary["fwd"]["points"] == 2 and summary["fwd"]["no_kernel"] == 1 and summary["fwd"]["geomean"] == 0.5
     assert summary["fwd dense"]["below_0_7"] == 1 and "geomean" not in summary["fwd grouped"]
