@@ -10,8 +10,10 @@ two backward GEMMs) at the issue's token counts, and those of the torchvision mo
 
 Needs torch and torchvision, which are not dependencies of the project: run it from a virtual environment of its own
 (`python3 -m venv venv-tv && venv-tv/bin/pip install torch torchvision`); the files name the versions used. The
-models are built on the meta device (no weights are downloaded or allocated) and run once in training mode at their
-standard input size; forward hooks on every nn.Conv1d/2d/3d and nn.Linear record what each layer sees. The LLMs
+models are built with their parameters on the meta device (no weights are downloaded, none stays in memory) and run
+once in training mode at their standard input size (the crop size of their torchvision weights' transforms; video
+clips of 16 frames; segmentation the weights' resize size, square); forward hooks on every nn.Conv1d/2d/3d and
+nn.Linear record what each layer sees. The LLMs
 are their published configs (below, as data); the wav2vec2 feature extractor is built here from its published
 definition (torchaudio is not needed). Everything after the hooks (deduplication, classification, ids, order) is
 plain Python, so tests/test_suites.py checks the files against it without torchvision.
@@ -347,7 +349,8 @@ def generate() -> tuple[dict, dict]:
     versions = {"torch": torch.__version__.split("+")[0], "torchvision": torchvision.__version__.split("+")[0]}
     conv_header = {"schema": SCHEMA, "generator": "bench/suites/generate.py", "sources": versions,
                    "note": "layers of one training step (fwd, bwd_weight; bwd_data where the input needs a gradient); "
-                           "n is the batch (issue #20: 32, video 8); uses: model -> how many of its layers",
+                           "n is the batch (issue #20: 32, video 8); inputs: the torchvision weights' crop size, video "
+                           "16 frames, segmentation the resize size as a square; uses: model -> how many of its layers",
                    "models": catalog}
     gemm_header = {"schema": SCHEMA, "generator": "bench/suites/generate.py", "sources": versions,
                    "note": "GEMMs of linear layers y = x W^T: fwd (rcr), bwd_data (rrr), bwd_weight (crr); LLMs at "
