@@ -49,6 +49,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from _gpu_common import random_tensor, time_batch  # noqa: E402
 import tiledispatch as td  # noqa: E402
+from tiledispatch import abi  # noqa: E402
 from tiledispatch.errors import UnsupportedProblemError  # noqa: E402
 from tiledispatch.ops import conv, conv_as_gemm, gemm as gemm_op  # noqa: E402
 from tiledispatch.plan import bind  # noqa: E402
@@ -101,7 +102,7 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def launch(kern, args):
     def call():
         status, reason = kern.library.run(args)
-        if status != td.abi.OK:
+        if status != abi.OK:
             raise RuntimeError(f"{kern.name}: status {status}: {reason}")
     return call
 
@@ -129,8 +130,8 @@ def cudnn_forms(p: conv.ConvProblem, x, w, y) -> dict:
         raise ValueError(f"padding {p.pad_lo} / {p.pad_hi}: PyTorch's convolutions take symmetric padding only")
     forms = {"cudnn": (x, w, y, list(p.stride), list(p.pad_lo), list(p.dilation))}
     if p.spatial_dims == 1:
-        forms["cudnn_as_2d"] = (x.unsqueeze(2), w.unsqueeze(2), y.unsqueeze(2), [1, *p.stride], [0, *p.pad_lo],
-                                [1, *p.dilation])
+        as_2d = [t.unsqueeze(2).contiguous(memory_format=torch.channels_last) for t in (x, w, y)]  # NHWC, H = 1
+        forms["cudnn_as_2d"] = (*as_2d, [1, *p.stride], [0, *p.pad_lo], [1, *p.dilation])
     calls = {}
     for name, (tx, tw, ty, s, pad, dil) in forms.items():
         rank = tx.dim() - 2
