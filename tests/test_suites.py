@@ -225,6 +225,7 @@ def test_runner_conv_points_on_cpu(smoke_bundle, tmp_path):
     assert any(r["kernel"].startswith("gemm_") for r in ok)  # the pointwise layer ran on a GEMM kernel
     assert any("cudnn_as_2d" in r["peer_ms"] for r in ok)  # 1D also timed as 2D
     assert {r["direction"] for r in ok} == set(generate.DIRECTIONS)
+    assert all(("copy_ms" in r) == (r["cls"] != "dense") for r in ok)  # the memory floor of memory-bound layers
 
 
 def test_runner_gemm_two_processes_shards_and_report(smoke_bundle, tmp_path):
@@ -308,14 +309,20 @@ def test_runner_markdown_table_has_a_row_per_group():
     rows = [{"id": "a", "direction": "fwd", "dtype": "fp16", "cls": "dense", "rank": 2, "weight": 3, "status": "ok",
              "peer_ms": {"cudnn": 1.0}, "ours_ms": 2.0, "kernel_ms": 1.0},
             {"id": "b", "direction": "fwd", "dtype": "fp16", "cls": "grouped", "rank": 2, "weight": 1,
-             "status": "no kernel", "reason": "none"}]
+             "status": "no kernel", "reason": "none"},
+            {"id": "c", "direction": "fwd", "dtype": "fp16", "cls": "depthwise", "rank": 2, "weight": 1, "status": "ok",
+             "peer_ms": {"cudnn": 0.3}, "ours_ms": 0.2, "kernel_ms": 0.1, "copy_ms": 0.1}]
     for r in rows:  # as merged_rows completes them
         if "ours_ms" in r:
             r.update(speedup=r["peer_ms"]["cudnn"] / r["ours_ms"],
                      speedup_kernel=r["peer_ms"]["cudnn"] / r["kernel_ms"])
     summary = suite_runner.summarize(rows)
-    assert summary["fwd"]["points"] == 2 and summary["fwd"]["no_kernel"] == 1 and summary["fwd"]["geomean"] == 0.5
+    assert summary["fwd"]["points"] == 3 and summary["fwd"]["no_kernel"] == 1
+    assert summary["fwd"]["geomean"] == pytest.approx((0.5 * 1.5) ** 0.5)
     assert summary["fwd dense"]["below_0_7"] == 1 and "geomean" not in summary["fwd grouped"]
+    assert summary["fwd depthwise"]["peer_over_copy"] == pytest.approx(3.0)
+    assert summary["fwd depthwise"]["ours_over_copy"] == pytest.approx(2.0)
+    assert "ours_over_copy" not in summary["fwd dense"]
     table = suite_runner.markdown(summary, "t").splitlines()
     body = [line for line in table if line.startswith("| ") and not line.startswith("| group")]
     assert len(body) == len(summary) and all(line.count("|") == table[2].count("|") for line in body)

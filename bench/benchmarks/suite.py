@@ -177,6 +177,12 @@ def conv_point(reg, layer: dict, direction: str, dtype: str, batch: int, device:
     if peer_only:
         return row
     want = want.clone()
+    if layer["cls"] != "dense":  # memory-bound: the floor is a copy of the layer's minimum bytes (issue #20 item 2)
+        row["bytes"] = sum(t.numel() for t in (x, w, y)) * x.element_size()
+        src = torch.empty(row["bytes"] // 2 // x.element_size(), dtype=x.dtype, device=device)  # half read,
+        dst = torch.empty_like(src)  # half written
+        row["copy_ms"] = median_ms(lambda: dst.copy_(src), device)
+        del src, dst
     written = {"fwd": y, "bwd_data": x, "bwd_weight": w}[direction]
     geo = dict(stride=p.stride, dilation=p.dilation, pad_lo=p.pad_lo, pad_hi=p.pad_hi, groups=p.g)
     ours = {"fwd": lambda: reg.conv_fwd(x, w, out=y, **geo), "bwd_data": lambda: reg.conv_bwd_data(y, w, out=x, **geo),
@@ -329,7 +335,8 @@ def geomean(values, weights=None) -> float:
 def summarize(rows: list[dict]) -> dict:
     """Per group (conv: direction x class, direction x rank; GEMM: dtype x pass, dtype x decode / prefill): points,
     geomean of peer / ours (public call), its minimum and worst point, the use-weighted geomean, the selected
-    kernel alone (diagnostic), and the points no kernel runs, with wrong results or errors."""
+    kernel alone (diagnostic), and the points no kernel runs, with wrong results or errors; for grouped and depthwise
+    layers also the geomeans of peer / copy and ours / copy (copy: the layer's minimum bytes moved once)."""
     groups: dict[str, list[dict]] = {}
     for r in rows:
         if "direction" in r:
@@ -354,6 +361,10 @@ def summarize(rows: list[dict]) -> dict:
                      min=worst["speedup"], worst=point_key(worst),
                      geomean_kernel_only=geomean([r["speedup_kernel"] for r in timed]),
                      below_0_7=sum(r["speedup"] < 0.7 for r in timed))
+            floored = [r for r in timed if "copy_ms" in r]
+            if floored:  # how far the peer and ours are from the memory floor (1.0: at it)
+                g.update(peer_over_copy=geomean([min(r["peer_ms"].values()) / r["copy_ms"] for r in floored]),
+                         ours_over_copy=geomean([r["ours_ms"] / r["copy_ms"] for r in floored]))
         out[name] = g
     return out
 
@@ -397,9 +408,11 @@ def plot(rows: list[dict], path: Path, title: str) -> bool:
 def markdown(summary: dict, title: str) -> str:
     """The summary as a table for the README: one row per group."""
     lines = [f"{title}: peer time / ours through the public call (> 1: ours faster); kernel alone: the selected "
-             "kernel launched by itself (diagnostic)", "",
+             "kernel launched by itself (diagnostic); copy: a device copy of the layer's minimum bytes (the memory "
+             "floor of grouped and depthwise layers)", "",
              "| group | points | timed | geomean | weighted by use | min (worst point) | below 0.7x | kernel alone "
-             "| no kernel | wrong / error |", "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+             "| no kernel | wrong / error | peer / copy | ours / copy |",
+             "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     for name, g in summary.items():
         if "geomean" in g:
             worst = g["worst"].replace("|", " ")  # a point's key, not a table cell's end
@@ -407,8 +420,9 @@ def markdown(summary: dict, title: str) -> str:
                      str(g["below_0_7"]), f"{g['geomean_kernel_only']:.3f}"]
         else:
             cells = ["-"] * 5
+        floor = [f"{g[f]:.2f}" if f in g else "-" for f in ("peer_over_copy", "ours_over_copy")]
         lines.append(f"| {name} | {g['points']} | {g['timed']} | " + " | ".join(cells)
-                     + f" | {g['no_kernel']} | {g['wrong_result']} / {g['error']} |")
+                     + f" | {g['no_kernel']} | {g['wrong_result']} / {g['error']} | " + " | ".join(floor) + " |")
     return "\n".join(lines) + "\n"
 
 
