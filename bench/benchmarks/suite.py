@@ -13,6 +13,7 @@ fastest form kept, and the fastest of two processes (a second one times the peer
 does not pick the same algorithm every time). Timing: CUDA events around batches of back-to-back calls (about
 2 ms a batch), median of the batches. Inputs random, never zero; our output poisoned (NaN) before it is checked
 against the peer's (relative L2 error in float64). A point that no kernel of the bundles runs is reported as such.
+Grouped and depthwise points also time a device copy of the layer's minimum bytes: the memory floor.
 
 Points are (layer, direction) of the conv suite (the directions a training step runs on it) or (shape, dtype) of
 the GEMM suite; --shard I/N takes every N-th point from the I-th (0-based) so shards have alike mixes, --limit
