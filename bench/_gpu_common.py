@@ -21,14 +21,14 @@ TORCH_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.floa
 
 def random_tensor(shape, dtype: str, gen: torch.Generator, layout: str = "r") -> torch.Tensor:
     """Random values with no zeros ([-1, -0.05] U [0.05, 1] floats, +-1..8 ints), stored row-major
-    (layout r) or column-major in the last two dims (layout c)."""
+    (layout r) or column-major in the last two dims (layout c), on the generator's device."""
     if layout == "c":
         return random_tensor((*shape[:-2], shape[-1], shape[-2]), dtype, gen).transpose(-1, -2)
     if dtype in ("int8", "int32"):
-        mag = torch.randint(1, 9, shape, generator=gen, device="cuda")
+        mag = torch.randint(1, 9, shape, generator=gen, device=gen.device)
     else:
-        mag = torch.rand(shape, generator=gen, device="cuda") * 0.95 + 0.05
-    sign = torch.randint(0, 2, shape, generator=gen, device="cuda") * 2 - 1
+        mag = torch.rand(shape, generator=gen, device=gen.device) * 0.95 + 0.05
+    sign = torch.randint(0, 2, shape, generator=gen, device=gen.device) * 2 - 1
     return (mag * sign).to(TORCH_DTYPE[dtype])
 
 

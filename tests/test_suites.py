@@ -1,0 +1,329 @@
+"""The benchmark suites of issue #20 (bench/suites) and their runner (bench/benchmarks/suite.py), without torchvision
+and without a GPU: the generator's layer extraction on small modules of known shapes, the suite files against what
+the generator's own logic makes of their records (and its LLM configs), their invariants, and the runner's problem
+construction, checks and reports on the cpu backend for a few real layers and shapes."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import REPO, build_cpu_bundle
+
+
+def _module(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+generate = _module("suites_generate", REPO / "bench" / "suites" / "generate.py")
+CONV = json.loads((REPO / "bench" / "suites" / "conv.json").read_text())
+GEMM = json.loads((REPO / "bench" / "suites" / "gemm.json").read_text())
+
+
+# ---- the generator's extraction -------------------------------------------------------------------------------
+class Small(nn.Module):
+    """Layers of every kind the suites hold: a stem on the input, depthwise dilated, grouped, a module run twice,
+    1D with 'same' padding of an even filter (asymmetric), 3D with replicate padding, a linear over tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, stride=2, padding=1)
+        self.depthwise = nn.Conv2d(8, 16, 3, padding=2, dilation=2, groups=8)
+        self.grouped = nn.Conv2d(16, 16, 1, groups=4)
+        self.audio = nn.Conv1d(16, 4, 4, padding="same")
+        self.video = nn.Conv3d(2, 2, 3, padding=1, padding_mode="replicate")
+        self.head = nn.Linear(4, 6)
+
+    def forward(self, x):
+        y = self.grouped(self.grouped(self.depthwise(self.stem(x))))  # grouped: twice
+        a = self.audio(y.flatten(2))  # [N, 4, 25]
+        self.video(a[:, :2].reshape(2, 2, 1, 5, 5))
+        return self.head(a.transpose(1, 2))  # 2 x 25 tokens
+
+
+def test_record_model_sees_every_layer_as_run():
+    convs, gemms = generate.record_model(Small(), torch.randn(2, 3, 10, 10))
+    common = {"dilation": [1, 1], "n": 2}
+    assert convs[0] == {**common, "rank": 2, "c": 3, "k": 8, "groups": 1, "in_size": [10, 10], "filter": [3, 3],
+                        "stride": [2, 2], "pad_lo": [1, 1], "pad_hi": [1, 1], "directions": ["fwd", "bwd_weight"]}
+    assert convs[1] == {**common, "rank": 2, "c": 8, "k": 16, "groups": 8, "in_size": [5, 5], "filter": [3, 3],
+                        "stride": [1, 1], "dilation": [2, 2], "pad_lo": [2, 2], "pad_hi": [2, 2],
+                        "directions": list(generate.DIRECTIONS)}
+    assert convs[2] == convs[3] and convs[2]["groups"] == 4 and convs[2]["filter"] == [1, 1]
+    assert convs[4] == {"rank": 1, "n": 2, "c": 16, "k": 4, "groups": 1, "in_size": [25], "filter": [4],
+                        "stride": [1], "dilation": [1], "pad_lo": [1], "pad_hi": [2],
+                        "directions": list(generate.DIRECTIONS)}
+    # replicate padding happens before the convolution: it sees the padded size and no padding
+    assert convs[5]["in_size"] == [3, 7, 7] and convs[5]["pad_lo"] == convs[5]["pad_hi"] == [0, 0, 0]
+    assert len(convs) == 6
+    assert gemms == [{"pass": "fwd", "m": 50, "n": 6, "k": 4, "layout": "rcr"},
+                     {"pass": "bwd_data", "m": 50, "n": 4, "k": 6, "layout": "rrr"},
+                     {"pass": "bwd_weight", "m": 6, "n": 4, "k": 50, "layout": "crr"}]
+
+
+def test_record_model_checks_the_output_size_formula():
+    class Wrong(nn.Conv2d):  # a module whose output is not what its attributes say
+        def forward(self, x):
+            return super().forward(x)[..., :-1]
+
+    with pytest.raises(AssertionError, match="formula"):
+        generate.record_model(Wrong(3, 4, 3), torch.randn(1, 3, 8, 8))
+
+
+def test_build_conv_suite_deduplicates_counts_and_classifies():
+    convs, _ = generate.record_model(Small(), torch.randn(2, 3, 10, 10))
+    again, _ = generate.record_model(Small(), torch.randn(2, 3, 10, 10).requires_grad_())
+    suite = generate.build_conv_suite({"a": convs, "b": again}, {"schema": 1})
+    layers = {e["id"]: e for e in suite["layers"]}
+    assert len(layers) == 5  # the grouped layer once
+    grouped = next(e for e in layers.values() if e["groups"] == 4)
+    assert grouped["uses"] == {"a": 2, "b": 2} and grouped["weight"] == 4 and grouped["cls"] == "grouped"
+    stem = next(e for e in layers.values() if e["c"] == 3)
+    assert stem["directions"] == list(generate.DIRECTIONS)  # b's input needs a gradient: the union
+    assert stem["id"] == "2d_n2_c3_k8_g1_10x10_f3x3_s2x2_p1x1_d1x1" and stem["out_size"] == [5, 5]
+    assert stem["flops"] == 2 * 2 * 8 * 3 * 25 * 9
+    assert next(e for e in layers.values() if e["groups"] == 8)["cls"] == "depthwise"  # channel multiplier 2
+    audio = next(e for e in layers.values() if e["rank"] == 1)
+    assert audio["id"].endswith("_p1-2_d1") and audio["out_size"] == [25]
+    assert [e["rank"] for e in suite["layers"]] == sorted(e["rank"] for e in suite["layers"])
+    assert generate.build_conv_suite(generate.records_of_conv_suite(suite), {"schema": 1}) == suite
+
+
+def test_meta_tensors_of_modules_allocates_nothing_and_restores_nn():
+    with generate.meta_tensors_of_modules():
+        m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    assert all(p.is_meta and p.requires_grad for p in m.parameters()) and all(b.is_meta for b in m.buffers())
+    assert not nn.Conv2d(3, 4, 3).weight.is_meta
+
+
+# ---- the suite files ------------------------------------------------------------------------------------------
+def test_conv_suite_is_what_the_generator_makes_of_its_records():
+    header = {k: v for k, v in CONV.items() if k != "layers"}
+    assert generate.build_conv_suite(generate.records_of_conv_suite(CONV), header) == CONV
+    assert generate.dump(CONV) == (REPO / "bench" / "suites" / "conv.json").read_text()
+
+
+def test_conv_suite_invariants():
+    assert CONV["schema"] == generate.SCHEMA and CONV["sources"]["torch"] and CONV["sources"]["torchvision"]
+    ids = [e["id"] for e in CONV["layers"]]
+    assert len(ids) == len(set(ids)) > 1000
+    used = set()
+    for e in CONV["layers"]:
+        assert e["c"] % e["groups"] == 0 and e["k"] % e["groups"] == 0, e["id"]
+        assert e["out_size"] == generate.out_size(e) and min(e["out_size"]) > 0, e["id"]
+        assert len(e["in_size"]) == len(e["filter"]) == len(e["stride"]) == e["rank"], e["id"]
+        assert e["id"] == generate.conv_id(e) and e["cls"] == generate.conv_class(e), e["id"]
+        assert e["flops"] == generate.conv_flops(e), e["id"]
+        assert e["uses"] and set(e["uses"]) <= set(CONV["models"]) and e["weight"] == sum(e["uses"].values())
+        assert e["directions"][0] == "fwd" and "bwd_weight" in e["directions"]
+        assert e["n"] == CONV["models"][next(iter(e["uses"]))]["batch"]
+        used |= set(e["uses"])
+    assert used == set(CONV["models"])  # every model contributes layers
+    assert {(e["rank"], e["cls"]) for e in CONV["layers"]} >= {(1, "dense"), (2, "dense"), (2, "grouped"),
+                                                               (2, "depthwise"), (3, "dense")}
+    families = ("resnet50", "resnext50_32x4d", "wide_resnet50_2", "mobilenet_v2", "mobilenet_v3_large",
+                "efficientnet_b0", "efficientnet_b4", "efficientnet_v2_s", "convnext_tiny", "regnet_y_400mf",
+                "densenet121", "shufflenet_v2_x1_0", "mnasnet1_0", "squeezenet1_0", "vgg16", "googlenet",
+                "inception_v3", "r3d_18", "mc3_18", "r2plus1d_18", "deeplabv3_resnet50", "fcn_resnet50",
+                "wav2vec2_feature_extractor")
+    assert set(families) <= set(CONV["models"]) and "efficientnet_b5" not in CONV["models"]
+    layers = {e["id"]: e for e in CONV["layers"]}
+    stem = layers["2d_n32_c3_k64_g1_224x224_f7x7_s2x2_p3x3_d1x1"]  # ResNet's stem: no gradient for the image
+    assert stem["uses"]["resnet50"] == 1 and stem["directions"] == ["fwd", "bwd_weight"]
+    assert layers["1d_n32_c1_k512_g1_16000_f10_s5_p0_d1"]["uses"] == {"wav2vec2_feature_extractor": 1}
+    assert any(e["dilation"] == [12, 12] and "deeplabv3_resnet50" in e["uses"] for e in CONV["layers"])
+    assert any(e["rank"] == 3 and e["n"] == 8 and "r2plus1d_18" in e["uses"] for e in CONV["layers"])
+
+
+def test_gemm_suite_is_what_the_generator_makes_of_the_configs_and_records():
+    header = {k: v for k, v in GEMM.items() if k != "shapes"}
+    assert header["llms"] == generate.LLMS and header["tokens"] == list(generate.LLM_TOKENS)
+    torchvision = generate.records_of_gemm_suite(GEMM, set(GEMM["torchvision_models"]))
+    assert generate.build_gemm_suite({**generate.llm_records(), **torchvision}, header) == GEMM
+    assert generate.dump(GEMM) == (REPO / "bench" / "suites" / "gemm.json").read_text()
+
+
+def test_gemm_suite_invariants():
+    ids = [e["id"] for e in GEMM["shapes"]]
+    assert len(ids) == len(set(ids)) and GEMM["dtypes"] == ["fp16", "bf16"]
+    shapes = {(e["pass"], e["m"], e["n"], e["k"]): e for e in GEMM["shapes"]}
+    for e in GEMM["shapes"]:
+        assert min(e["m"], e["n"], e["k"]) >= 1 and e["layout"] == generate.LINEAR_PASSES[e["pass"]]
+        assert e["uses"] and e["weight"] == sum(e["uses"].values())
+        if e["pass"] == "fwd":  # a linear layer's backward GEMMs are there too
+            assert ("bwd_weight", e["n"], e["k"], e["m"]) in shapes
+            assert ("bwd_data", e["m"], e["k"], e["n"]) in shapes
+    for m in generate.LLM_TOKENS:  # Llama-3 8B: 32 blocks with a gate and an up projection 4096 -> 14336 each
+        assert shapes[("fwd", m, 14336, 4096)]["uses"]["llama3_8b"] == 64
+        assert shapes[("fwd", m, 4096, 14336)]["uses"]["mistral_7b"] == 32  # down_proj
+        assert shapes[("fwd", m, 1024, 8192)]["uses"]["llama3_70b"] == 160  # k_proj, v_proj: 8 kv heads x 128
+        assert shapes[("fwd", m, 50257, 768)]["uses"]["gpt2"] == 1
+        assert shapes[("fwd", m, 30522, 1024)]["uses"]["bert_large"] == 1
+    assert shapes[("fwd", 32, 1000, 2048)]["uses"]["resnet50"] == 1  # a torchvision classifier at batch 32
+    assert any("convnext_tiny" in e["uses"] and e["m"] == 32 * 56 * 56 for e in GEMM["shapes"])
+
+
+# ---- the runner on the cpu backend ------------------------------------------------------------------------------
+suite_runner = _module("suite_runner", REPO / "bench" / "benchmarks" / "suite.py")
+
+SMOKE_SET = """\
+schema: 1
+name: suite_smoke
+description: small cpu kernels for the suite runner's test
+groups:
+  - backend: cpu
+    op: conv
+    direction: [fwd, bwd_data, bwd_weight]
+    dtype: fp16
+    layout: nhwgc
+    configs:  # what the test's layers need: 2D / 3D dense, 1D C = 1, 2D narrow groups and depthwise
+      - {spatial_dims: [2, 3], pipeline: packed, tile: [64, 64, 256], mma: [4, 32, 1]}
+      - {spatial_dims: [1, 2], pipeline: direct, tile: [64, 128, 64], mma: [4, 32, 1]}
+  - {backend: cpu, op: gemm, dtype: fp16, layout: [rcr, rrr, crr], pipeline: packed, tile: [96, 256, 256],
+     mma: [8, 32, 1]}
+"""
+
+
+@pytest.fixture(scope="module")
+def smoke_bundle(tmp_path_factory):
+    build = tmp_path_factory.mktemp("suite_smoke")
+    build_cpu_bundle(build, "suite_smoke", SMOKE_SET)
+    return build / "suite_smoke"
+
+
+def smallest_layers() -> list[str]:
+    """The cheapest layer of each (rank, class) of the suite, and the cheapest 3x3 one: real layers, batch 1."""
+    best = {}
+    for e in CONV["layers"]:
+        for key in ((e["rank"], e["cls"]), ("3x3",) if e["filter"] == [3, 3] and e["groups"] == 1 else None):
+            if key and (key not in best or e["flops"] // e["n"] < best[key]["flops"] // best[key]["n"]):
+                best[key] = e
+    return sorted({e["id"] for e in best.values()})
+
+
+def test_runner_conv_points_on_cpu(smoke_bundle, tmp_path):
+    ids = smallest_layers()
+    only = "^(" + "|".join(map(re.escape, ids)) + ")$"
+    args = ["conv", str(smoke_bundle), "--out", str(tmp_path), "--device", "cpu", "--batch", "1", "--only", only]
+    assert suite_runner.main(args) == 0
+    result = json.loads((tmp_path / "conv.json").read_text())
+    rows = result["rows"]
+    expected = sum(len(e["directions"]) for e in CONV["layers"] if e["id"] in ids)
+    assert len(rows) == result["points"] == expected == result["summary"]["all"]["points"]  # none dropped
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert {r["status"] for r in rows} == {"ok"}, [r for r in rows if r["status"] != "ok"]
+    for r in ok:
+        assert r["rel_error"] <= suite_runner.TOLERANCE["fp16"] and r["kernel"] and r["ours_ms"] > 0
+        assert r["speedup"] == pytest.approx(min(r["peer_ms"].values()) / r["ours_ms"])
+    assert any(r["kernel"].startswith("gemm_") for r in ok)  # the pointwise layer ran on a GEMM kernel
+    assert any("cudnn_as_2d" in r["peer_ms"] for r in ok)  # 1D also timed as 2D
+    assert {r["direction"] for r in ok} == set(generate.DIRECTIONS)
+    assert all(("copy_ms" in r) == (r["cls"] != "dense") for r in ok)  # the memory floor of memory-bound layers
+
+
+def test_runner_gemm_two_processes_shards_and_report(smoke_bundle, tmp_path):
+    for i in range(2):
+        args = ["gemm", str(smoke_bundle), "--out", str(tmp_path / f"s{i}"), "--device", "cpu", "--shard", f"{i}/2",
+                "--only", "_(1|8)x768x768_", "--peer-processes", "2"]
+        assert suite_runner.main(args) == 0
+        assert (tmp_path / f"s{i}" / f"gemm_shard{i}of2_peer.jsonl").exists()
+    assert suite_runner.main(["report", str(tmp_path / "s0"), str(tmp_path / "s1"), "--out", str(tmp_path)]) == 0
+    merged = json.loads((tmp_path / "gemm_all.json").read_text())
+    assert len(merged["rows"]) == 2 * 4  # 4 shapes x fp16, bf16
+    timed = [r for r in merged["rows"] if r["status"] == "ok"]
+    assert len(timed) == 4 and all({"torch.mm", "F.linear", "torch.mm@2", "F.linear@2"} <= set(r["peer_ms"])
+                                   for r in timed)
+    assert {r["status"] for r in merged["rows"] if r["dtype"] == "bf16"} == {"no kernel"}  # reported, not dropped
+    assert merged["summary"]["bf16"]["no_kernel"] == 4 and merged["summary"]["fp16"]["timed"] == 4
+
+
+def test_runner_check_catches_wrong_and_missing_results():
+    want = torch.ones(8, dtype=torch.float16)
+    out = torch.empty(8, dtype=torch.float16)
+
+    def run(ours):
+        return suite_runner.ours_and_check({"dtype": "fp16"}, ours, out, want,
+                                           lambda: ("k", lambda: None), "cpu")
+
+    assert run(lambda: out.fill_(1.0))["status"] == "ok"
+    assert run(lambda: out.fill_(1.1))["status"] == "wrong result"
+    assert run(lambda: None)["status"] == "wrong result"  # nothing written: the poison stays
+    from tiledispatch.errors import UnsupportedProblemError
+
+    def refuse():
+        raise UnsupportedProblemError("no kernel can run it\n  details")
+
+    assert run(refuse) == {"dtype": "fp16", "status": "no kernel", "reason": "no kernel can run it\n  details"}
+
+
+# ---- preselected sets: kernel counts and cold build times (item 5) ---------------------------------------------
+preselected_build = _module("preselected_build", REPO / "bench" / "benchmarks" / "preselected_build.py")
+
+
+def test_preselected_readme_table_is_what_the_sets_and_results_give():
+    text = preselected_build.README.read_text()
+    start, stop = text.index(preselected_build.BEGIN), text.index(preselected_build.END)
+    written = text[start:stop + len(preselected_build.END)]
+    want = preselected_build.render_table(preselected_build.read_results(preselected_build.RESULTS))
+    assert written == want, "run: python3 bench/benchmarks/preselected_build.py table"
+
+
+def test_preselected_table_shows_counts_and_measured_times():
+    sets = preselected_build.counts()
+    assert sets["fp16_rcr_full"] == {"cutlass/sm90a": 42}
+    assert sets["conv_fp16_all_essential"]["cutlass/sm90a"] >= sets["conv_fp16_fwd_essential"]["cutlass/sm90a"]
+    results = {"machine": {"cpu_count": 16, "jobs": 16, "nvcc": "Build cuda_13.0"},
+               "sets": {"fp16_rcr_full cutlass/sm90a": {"kernels": 42, "cold_seconds": 150.0}}}
+    table = preselected_build.render_table(results)
+    assert "Cold builds: 16 cores, -j16, Build cuda_13.0." in table
+    row = next(line for line in table.splitlines() if line.startswith("| `fp16_rcr_full` |"))
+    assert "| 42 |" in row and "| 2.5 min |" in row
+    row = next(line for line in table.splitlines() if line.startswith("| `fp16_rcr_essential` |"))
+    assert "not measured" in row
+
+
+def test_preselected_measure_goes_on_across_calls(monkeypatch, tmp_path):
+    """A set cut off by the budget goes on at the next call; its cold time is the sum of its attempts."""
+    attempts = iter([{"seconds": 500.0, "rc": None}, {"seconds": 70.0, "rc": 0}, {"seconds": 90.0, "rc": 0}])
+    sets = {"big": {"cutlass/sm90a": 9}, "small": {"cutlass/sm90a": 2}, "amd": {"ck_tile/gfx942": 3}}
+    monkeypatch.setattr(preselected_build, "counts", lambda: sets)
+    seen = []
+    monkeypatch.setattr(preselected_build, "build", lambda name, *_: seen.append(name) or next(attempts))
+    args = ["measure", "--archs", "sm90a", "--out", str(tmp_path / "r.json"), "--state", str(tmp_path)]
+    assert preselected_build.main(args) == 3  # the smallest set first, cut off: call again
+    assert preselected_build.main(args) == 0
+    result = json.loads((tmp_path / "r.json").read_text())["sets"]
+    assert seen == ["small", "small", "big"]
+    assert result["small cutlass/sm90a"]["cold_seconds"] == 570.0
+    assert result["big cutlass/sm90a"]["cold_seconds"] == 90.0 and "amd cutlass/sm90a" not in result
+
+
+def test_runner_markdown_table_has_a_row_per_group():
+    rows = [{"id": "a", "direction": "fwd", "dtype": "fp16", "cls": "dense", "rank": 2, "weight": 3, "status": "ok",
+             "peer_ms": {"cudnn": 1.0}, "ours_ms": 2.0, "kernel_ms": 1.0},
+            {"id": "b", "direction": "fwd", "dtype": "fp16", "cls": "grouped", "rank": 2, "weight": 1,
+             "status": "no kernel", "reason": "none"},
+            {"id": "c", "direction": "fwd", "dtype": "fp16", "cls": "depthwise", "rank": 2, "weight": 1, "status": "ok",
+             "peer_ms": {"cudnn": 0.3}, "ours_ms": 0.2, "kernel_ms": 0.1, "copy_ms": 0.1}]
+    for r in rows:  # as merged_rows completes them
+        if "ours_ms" in r:
+            r.update(speedup=r["peer_ms"]["cudnn"] / r["ours_ms"],
+                     speedup_kernel=r["peer_ms"]["cudnn"] / r["kernel_ms"])
+    summary = suite_runner.summarize(rows)
+    assert summary["fwd"]["points"] == 3 and summary["fwd"]["no_kernel"] == 1
+    assert summary["fwd"]["geomean"] == pytest.approx((0.5 * 1.5) ** 0.5)
+    assert summary["fwd dense"]["below_0_7"] == 1 and "geomean" not in summary["fwd grouped"]
+    assert summary["fwd depthwise"]["peer_over_copy"] == pytest.approx(3.0)
+    assert summary["fwd depthwise"]["ours_over_copy"] == pytest.approx(2.0)
+    assert "ours_over_copy" not in summary["fwd dense"]
+    table = suite_runner.markdown(summary, "t").splitlines()
+    body = [line for line in table if line.startswith("| ") and not line.startswith("| group")]
+    assert len(body) == len(summary) and all(line.count("|") == table[2].count("|") for line in body)
+    assert "0.50 (`a fwd fp16`)" in next(line for line in body if line.startswith("| fwd dense |"))
