@@ -121,6 +121,9 @@ def test_sharded_sweep_resumes_and_matches_one_worker(tiny_bundle, tmp_path):
     assert all(r["ms"] > 0 and len(r["samples_ms"]) == 2 and r["machine_id"] == metas[0]["machine_id"] for r in timed)
     assert metas[0]["machine"]["cores"] and metas[0]["op"] == "conv" and metas[0]["toolchain"][0]["identity"]
     assert {r["group"] for r in rows} == {"netA", "netB", "random"}
+    recorded = json.loads((tiny_bundle / "manifest.json").read_text())["selection_models"]
+    assert set(recorded) == {"gemm", "conv_fwd", "conv_bwd_data", "conv_bwd_weight"}
+    assert all((v is None) == (learned.model_for("cpu", ARCH, t) is None) for t, v in recorded.items())
 
     again = sweep.sweep([str(tiny_bundle)], "conv", problems, out_dir=tmp_path / "two", workers=2, **kw)
     assert again["timed"] == 0 and again["skipped"] == len(rows)
@@ -171,11 +174,44 @@ def test_train_and_rank_conv_with_the_model(tiny_bundle, tmp_path, monkeypatch):
         assert [k.name for k in ranked] == [fits[i].name for i in sorted(range(len(fits)),
                                                                            key=lambda i: (scores[i], fits[i].name))]
         assert reg.select(p, "learned") is ranked[0]
-        # the runtime's features are the ones training used: the model reproduces LightGBM's training predictions
         x = learned.features(p, [k.key for k in fits])
-        np.testing.assert_allclose(model.trees.predict(x), -scores)
+        np.testing.assert_allclose(model.trees.predict(x), -scores)  # a throughput model: higher is better
+        # the bundle recorded that no model ranked it when it was built; now this one does
+        assert reg.selection_models()["conv_bwd_data"] == {
+            "now": {"model": written[0].name, "version": model.version, "covers": 3, "unseen": []},
+            "built_with": None}
+
+        # select --explain: the model's top kernels with predicted times, and measured ones once tuned here
+        monkeypatch.setenv("TD_TUNING_CACHE", str(tmp_path / "tuning.json"))
+        args = ["select", str(tiny_bundle), "conv", "--direction", "bwd_data", "--dtype", "fp32", "--n", str(p.n),
+                "--c", str(p.c), "--k", str(p.k), "--groups", str(p.g), "--in", *map(str, p.in_size),
+                "--filter", *map(str, p.filter_size), "--stride", *map(str, p.stride),
+                "--padding", *map(str, p.pad_lo), "--explain", "--top", "2"]
+        explain = _cli(args)["explain"]
+        assert explain["model"]["version"] == model.version and explain["model"]["file"] == written[0].name
+        assert [row["kernel"] for row in explain["top"]] == [k.name for k in ranked[:2]]
+        assert all(row["predicted_ms"] > 0 and row["measured_ms"] is None for row in explain["top"])
+        assert explain["tuned"] is None and explain["unseen_in_training"] == []
+        tuned_reg = __import__("tiledispatch").load(tiny_bundle)
+        tuned_reg.tune(p, {"x": np.ones(p.shapes()["x"], np.float32), "w": np.ones(p.shapes()["w"], np.float32),
+                           "y": np.ones(p.shapes()["y"], np.float32)})
+        explain = _cli(args)["explain"]
+        assert explain["tuned"]["kernel"] in {k.name for k in fits}
+        assert all(row["measured_ms"] > 0 for row in explain["top"])
     finally:
         learned.model_for.cache_clear()
+
+
+def _cli(args) -> dict:
+    import contextlib
+    import io
+
+    from tiledispatch import cli
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(args) == 0
+    return json.loads(out.getvalue())
 
 
 def test_cost_terms_equal_estimated_cost():

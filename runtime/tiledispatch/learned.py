@@ -187,6 +187,7 @@ class Model:
         self.kernel_names = tuple(self.meta.get("kernel_names") or ())
         # the ranker sorts ascending: a model of a quantity where higher is better (throughput) is negated
         self.sign = -1.0 if data.get("higher_is_better") else 1.0
+        self._target = data.get("target", "log_time_ratio")
 
     def applies(self, problem, key) -> bool:
         want = self.applies_to
@@ -210,6 +211,21 @@ class Model:
         """The names of the keys this model covers (applies) but was never trained on; every covered key when
         the model does not list its training kernels (an older model file)."""
         return [key.name for key in keys if self.applies(None, key) and not self.knows(key)]
+
+    @property
+    def target(self) -> str:
+        return self._target
+
+    def predicted_times(self, problem, keys, names=None) -> tuple[np.ndarray, str]:
+        """(each key's predicted time, its unit): milliseconds for a throughput model (log1p_tflops), else the
+        time relative to the problem's best kernel ("x_best")."""
+        raw = self.trees.predict(features(problem, keys, names))
+        kind = self._target.split(":", 1)[0]
+        if kind == "log1p_tflops":
+            return problem.flops() / (np.maximum(np.expm1(raw), 1e-12) * 1e12) * 1e3, "ms"
+        if kind == "ratio":
+            return 1.0 / np.maximum(raw, 1e-6), "x_best"
+        return np.exp(raw), "x_best"  # log(time / best time)
 
     def predict(self, problem, keys, names=None) -> np.ndarray:
         """The model's score of each key on the problem, lower is better (e.g. the predicted log(time / best

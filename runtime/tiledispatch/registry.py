@@ -204,6 +204,21 @@ class Registry:
             self._device_identity = backends.get(self.backend).driver.identity()
         return self._device_identity
 
+    def tuning_record(self, problem, fits: list[Kernel]) -> Optional[dict]:
+        """This device's tuning record for the problem and these candidates (winner, measured times), if any."""
+        if not self.tuning.records():  # nothing recorded: no need to ask the device who it is
+            return None
+        return self.tuning.get(self._identity(), tuning.problem_key(problem, [k.name for k in fits]))
+
+    def selection_models(self) -> dict:
+        """Per task of the bundle's kernels: the learned model that ranks them now (file, version, the kernels it
+        covers but never saw) and the one the bundle recorded when it was built (manifest "selection_models";
+        None for a bundle built before bundles recorded it)."""
+        now = bundle.selection_models([k.key for k in self.kernels])
+        recorded = self.manifest.get("selection_models")
+        return {task: {"now": model, "built_with": None if recorded is None else recorded.get(task)}
+                for task, model in now.items()}
+
     def _tuned(self, problem, fits: list[Kernel]) -> Optional[Kernel]:
         """The kernel this device's tuning record names for the problem and these candidates, if any."""
         if not self.tuning.records():  # nothing recorded: no need to ask the device who it is
