@@ -53,8 +53,8 @@ SUITE = [
     {"model": "netA", "n": 1, "g": 8, "c": 8, "k": 8, "in_size": [12, 12], "filter_size": [3, 3], "stride": 2,
      "padding": 1},
     {"model": "netB", "n": 2, "c": 24, "k": 8, "in_size": [6, 6], "filter_size": [1, 1]},
-    {"model": "netB", "op": "conv", "direction": "bwd_data", "n": 1, "c": 8, "k": 8, "in_size": [5, 5],
-     "filter_size": [3, 3]},
+    {"uses": {"netB2": 1, "netC": 3}, "directions": ["bwd_data", "bwd_weight"], "n": 1, "c": 8, "k": 8,
+     "in_size": [5, 5], "filter": [3, 3]},
 ]
 
 
@@ -71,16 +71,17 @@ def pairs(store: Path) -> set:
 
 def suite_problems(tmp_path, direction="fwd"):
     path = tmp_path / "conv.json"
-    path.write_text(json.dumps(SUITE))
+    path.write_text(json.dumps({"schema": 1, "layers": SUITE}))
     return sweep.load_suite(path, op="conv", direction=direction, dtype="fp32", layout=None)
 
 
 def test_suite_files_and_random_problems(tmp_path):
     fwd = suite_problems(tmp_path)
-    assert [e["group"] for e in fwd] == ["netA", "netA", "netB"]  # the bwd_data entry is another sweep's
+    assert [e["groups"] for e in fwd] == [["neta"], ["neta"], ["netb"]]  # the last entry is for the backward sweeps
     assert fwd[1]["problem"] == ConvProblem("fwd", 1, 8, 8, 8, (12, 12), (3, 3), (2, 2), (1, 1), (1, 1), (1, 1),
                                             "fp32", "fp32", "fp32")
-    assert [e["problem"].n for e in suite_problems(tmp_path, "bwd_data")] == [2, 1, 2, 1]
+    bwd = suite_problems(tmp_path, "bwd_data")
+    assert [e["problem"].n for e in bwd] == [2, 1, 2, 1] and bwd[3]["groups"] == ["netb", "netc"]
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{"n": 1, "c": 3, "k": 8, "g": 2, "in_size": [4, 4], "filter_size": [1, 1]}]))
     with pytest.raises(SystemExit, match="problem 0: .*groups G = 2 do not divide C = 3"):
@@ -120,7 +121,7 @@ def test_sharded_sweep_resumes_and_matches_one_worker(tiny_bundle, tmp_path):
     assert all(r["refused"] for r in rows if r["ms"] is None) and len(timed) >= 2 * len(problems)
     assert all(r["ms"] > 0 and len(r["samples_ms"]) == 2 and r["machine_id"] == metas[0]["machine_id"] for r in timed)
     assert metas[0]["machine"]["cores"] and metas[0]["op"] == "conv" and metas[0]["toolchain"][0]["identity"]
-    assert {r["group"] for r in rows} == {"netA", "netB", "random"}
+    assert {g for r in rows for g in r["groups"]} == {"neta", "netb", "random"}
     recorded = json.loads((tiny_bundle / "manifest.json").read_text())["selection_models"]
     assert set(recorded) == {"gemm", "conv_fwd", "conv_bwd_data", "conv_bwd_weight"}
     assert all((v is None) == (learned.model_for("cpu", ARCH, t) is None) for t, v in recorded.items())
@@ -157,7 +158,8 @@ def test_train_and_rank_conv_with_the_model(tiny_bundle, tmp_path, monkeypatch):
     kfold = card["validation"]["group_kfold_by_shape"]
     assert kfold["learned"]["problems"] == card["problems"] and 0 < kfold["learned"]["min"] <= kfold["learned"]["mean"] <= 1
     families = card["validation"]["leave_one_family_out"]["families"]
-    assert set(families) == {"netA", "netB", "random"}
+    assert set(families) == {"neta", "netb", "netc", "random"}
+    assert families["netb"]["learned"]["problems"] == 2  # its own layer and the one it shares with netc
     assert "| group_kfold_by_shape | learned |" in written[0].with_suffix(".md").read_text()
 
     monkeypatch.setattr(learned, "MODELS_DIR", written[0].parent)

@@ -4,9 +4,11 @@
     python bench/sweeps/sweep.py BUNDLE conv --direction bwd_data [--suite bench/suites/conv.json] [--random 400]
         [--out bench/results/sweeps] [--scheduler tcp://HOST:8786] [--workers N] [--budget-s 540]
 
-One command per op and direction. Problems: the suite files (a JSON list of problems, or {"problems": [...]},
-each as the problem's to_dict() writes it; fields it leaves out take the command's --dtype / --layout /
---direction and the conv defaults stride 1, dilation 1, padding 0) plus --random N log-uniform ones. Each
+One command per op and direction. Problems: the suite files (a JSON list of problems, or an object holding
+one under "problems", "layers" or "shapes", as bench/suites/*.json do; each as the problem's to_dict() writes it,
+"filter" and "groups" also accepted; fields it leaves out take the command's --dtype / --layout / --direction and
+the conv defaults stride 1, dilation 1, padding 0; a conv entry's "directions" says which sweeps take it, its
+"uses" {model: count} which model families it belongs to) plus --random N log-uniform ones. Each
 (problem, kernel) is timed as the public path runs it: the kernel's prepared call (Registry.plan, Plan.prepare)
 launched back to back on the same operands, median of --repeats batches of about --batch-ms each (on a GPU
 between CUDA events on the launch stream). A kernel whose td_can_run refuses the problem is recorded with its
@@ -32,6 +34,7 @@ import math
 import os
 import platform
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -73,7 +76,7 @@ def problem_from_dict(d: dict, *, op: str, direction: Optional[str] = None, dtyp
         per_dim = lambda name, default: d[name] if isinstance(d.get(name), list) else [d.get(name, default)] * rank  # noqa: E731
         pad = d.get("padding", 0)
         return ConvProblem(d.get("direction", direction), d["n"], d.get("g", d.get("groups", 1)), d["c"], d["k"],
-                           tuple(d["in_size"]), tuple(d["filter_size"]), tuple(per_dim("stride", 1)),
+                           tuple(d["in_size"]), tuple(d.get("filter_size", d.get("filter"))), tuple(per_dim("stride", 1)),
                            tuple(per_dim("dilation", 1)), tuple(per_dim("pad_lo", pad)), tuple(per_dim("pad_hi", pad)),
                            d.get("dtype_x", dt), d.get("dtype_w", dt), d.get("dtype_y", dt),
                            d.get("layout", layout or "nhwgc"), epilogue)
@@ -83,23 +86,34 @@ def problem_from_dict(d: dict, *, op: str, direction: Optional[str] = None, dtyp
         raise ValueError(f"problem {d}: {e}") from None
 
 
+def model_family(model: str) -> str:
+    """The family of a model name, for leave-one-family-out validation: its leading letters (resnet50 and
+    resnet18 -> resnet, vit_b_16 -> vit)."""
+    return re.match(r"[A-Za-z]*", model).group(0).lower() or model
+
+
 def load_suite(path: Path, *, op: str, direction: Optional[str], dtype: str, layout: Optional[str]) -> list[dict]:
-    """The problems of a suite file for this op (and direction: conv entries of another direction are left out),
-    each {"problem", "group"}: group names the model family an entry belongs to (its "model" or "family" field)."""
+    """The problems of a suite file for this op (and direction: conv entries that name other directions, in
+    "direction" or "directions", are left out), each {"problem", "groups"}: the families of the models the entry
+    comes from ("uses": {model: count}, or "model" / "family"), else the file's name. The file is a JSON list of
+    problems or an object holding one under "problems", "layers" or "shapes"."""
     data = json.loads(Path(path).read_text())
-    entries = data.get("problems") if isinstance(data, dict) else data
+    entries = data if isinstance(data, list) else next(
+        (data[k] for k in ("problems", "layers", "shapes") if isinstance(data, dict) and k in data), None)
     if not isinstance(entries, list):
-        raise SystemExit(f"{path}: expected a JSON list of problems or an object with a 'problems' list")
+        raise SystemExit(f"{path}: expected a JSON list of problems or an object with a 'problems', 'layers' or "
+                         f"'shapes' list")
     out = []
     for i, entry in enumerate(entries):
-        if isinstance(entry, dict) and (entry.get("op", op) != op or
-                                        (op == "conv" and entry.get("direction", direction) != direction)):
+        if isinstance(entry, dict) and (entry.get("op", op) != op or (op == "conv" and (
+                entry.get("direction", direction) != direction or direction not in entry.get("directions", [direction])))):
             continue
         try:
             problem = problem_from_dict(entry, op=op, direction=direction, dtype=dtype, layout=layout)
         except ValueError as e:
             raise SystemExit(f"{path}: problem {i}: {e}") from None
-        out.append({"problem": problem, "group": str(entry.get("model") or entry.get("family") or Path(path).stem)})
+        models = list(entry.get("uses") or []) or [entry.get("model") or entry.get("family") or Path(path).stem]
+        out.append({"problem": problem, "groups": sorted({model_family(str(m)) for m in models})})
     return out
 
 
@@ -129,7 +143,7 @@ def random_problems(op: str, count: int, seed: int, *, direction: Optional[str],
             continue
         if problem.flops() <= max_flop and str(problem) not in seen:
             seen.add(str(problem))
-            out.append({"problem": problem, "group": "random"})
+            out.append({"problem": problem, "groups": ["random"]})
     return out
 
 
@@ -424,7 +438,7 @@ def sweep(bundles: list[str], op: str, problems: list[dict], *, direction: Optio
                                  entry["problem"].to_dict(), missing, {**settings, "seed": i}, pure=False,
                                  key=f"time-{i}-{hashlib.sha1(problem_id(entry['problem']).encode()).hexdigest()[:12]}")
                    for i, (entry, missing) in enumerate(todo)]
-        groups = {problem_id(e["problem"]): e["group"] for e, _ in todo}
+        groups = {problem_id(e["problem"]): e["groups"] for e, _ in todo}
         for future in as_completed(futures):
             out = future.result()
             tag = hashlib.sha256(json.dumps(out["machine"], sort_keys=True).encode()).hexdigest()[:16]
@@ -432,7 +446,7 @@ def sweep(bundles: list[str], op: str, problems: list[dict], *, direction: Optio
             if tag not in known:
                 known[tag] = out["machine"]
                 lines.append({"meta": {"machine_id": tag, "machine": out["machine"], **sources}})
-            lines += [{**r, "group": groups[r["problem_id"]], "machine_id": tag} for r in out["records"]]
+            lines += [{**r, "groups": groups[r["problem_id"]], "machine_id": tag} for r in out["records"]]
             append_store(store, lines)
             result["timed"] += len(out["records"])
             best = min((r["ms"] for r in out["records"] if r["ms"] is not None), default=float("nan"))

@@ -77,8 +77,9 @@ def load_problems(paths: list[str]) -> dict:
             entry = found[(key.backend, key.arch, learned.task_of(key))]
             if Path(path).name not in entry["stores"]:
                 entry["stores"].append(Path(path).name)
-            p = entry["problems"].setdefault(row["problem_id"], {"dict": row["problem"], "group": row.get("group", "?"),
+            p = entry["problems"].setdefault(row["problem_id"], {"dict": row["problem"], "groups": set(),
                                                                   "times": defaultdict(list)})
+            p["groups"].update(row.get("groups") or [row.get("group", "?")])
             p["times"][row["kernel"]].append(row["ms"])
     out = {}
     for target, entry in found.items():
@@ -90,7 +91,7 @@ def load_problems(paths: list[str]) -> dict:
             problem = problem_from_dict(p["dict"], op=p["dict"]["op"])
             keys = [parse_kernel_name(n) for n in names]
             times = np.array([math.exp(statistics.fmean(math.log(t) for t in p["times"][n])) for n in names])
-            problems.append({"id": pid, "problem": problem, "group": p["group"], "names": names, "keys": keys,
+            problems.append({"id": pid, "problem": problem, "groups": p["groups"], "names": names, "keys": keys,
                              "times": times, "flops": float(problem.flops()),
                              "x": learned.features(problem, keys)})
         if problems:
@@ -153,12 +154,15 @@ def validate(problems: list[dict], target: str, folds: int, rounds: int, params:
             for k, v in held_out(train_on, test_on, target, rounds, params).items():
                 kfold[k] += v
     result = {"group_kfold_by_shape": {"folds": folds, **{k: summary(v) for k, v in kfold.items()}}}
-    families = sorted({p["group"] for p in problems})
+    families = sorted({g for p in problems for g in p["groups"]})
     if len(families) > 1:
         per_family, pooled = {}, defaultdict(list)
-        for family in families:
-            out = held_out([p for p in problems if p["group"] != family], [p for p in problems if p["group"] == family],
-                           target, rounds, params)
+        for family in families:  # a problem several families use is held out with each of them
+            test_on = [p for p in problems if family in p["groups"]]
+            train_on = [p for p in problems if family not in p["groups"]]
+            if not train_on:
+                continue
+            out = held_out(train_on, test_on, target, rounds, params)
             per_family[family] = {k: summary(v) for k, v in out.items()}
             for k, v in out.items():
                 pooled[k] += v
@@ -237,7 +241,7 @@ def train(paths: list[str], out_dir: Path, *, target: str = "log1p_tflops", fold
         names = sorted({n for p in problems for n in p["names"]})
         trained = {"date": date.today().isoformat(), "stores": data["stores"], "machines": data["machines"],
                    "sources": data["sources"], "problems": len(problems),
-                   "groups": sorted({p["group"] for p in problems}),
+                   "families": sorted({g for p in problems for g in p["groups"]}),
                    "rows": int(sum(len(p["names"]) for p in problems)), "kernel_count": len(names),
                    "kernel_names": names, "lightgbm": {**params, "rounds": rounds}, "validation": validation,
                    # for `info` (learned.describe): the headline held-out numbers
