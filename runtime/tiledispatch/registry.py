@@ -146,10 +146,18 @@ class Registry:
     def _explain(self, problem, operands) -> list[tuple[Kernel, Optional[str]]]:
         ops = ops_get(problem.op)
         out = []
+        # the signature match and the ABI arguments depend on the key's signature alone (the op modules' mismatch
+        # and make_args), and td_can_run takes the arguments as const: one of each per signature, not per kernel
+        per_signature: dict = {}
         for kern in self.kernels:
-            reason = problem.mismatch(kern.key)
+            sig = kern.key.signature
+            found = per_signature.get(sig)
+            if found is None:
+                reason = problem.mismatch(kern.key)
+                found = per_signature[sig] = (reason, None if reason else ops.make_args(problem, kern.key, operands))
+            reason, args = found
             if reason is None:
-                status, why = kern.library.can_run(ops.make_args(problem, kern.key, operands))
+                status, why = kern.library.can_run(args)
                 reason = None if status == abi.OK else why
             out.append((kern, reason))
         return out

@@ -420,6 +420,8 @@ def slot_names(problem: ConvProblem, count: int) -> list[str]:
 
 def make_args(problem: ConvProblem, key: KernelKey, ops: Optional[Operands] = None, *, alpha: float = 1.0,
               beta: float = 0.0) -> abi.TdArgs:
+    """The ABI arguments of the problem on these operands (dummy pointers without). Reads only key.signature:
+    Registry._explain shares one set of arguments among the kernels of a signature."""
     alpha, beta = real_scalar("alpha", alpha), real_scalar("beta", beta)
     sig = key.signature
     p = problem
