@@ -19,8 +19,9 @@ Resumable: the results are appended, one JSON line per (problem, kernel), to a g
 short by a crash is dropped when read), and a rerun times only the pairs the store lacks. Sharded through Dask
 distributed: one task per problem, one single-threaded worker process per GPU (a local cluster over the
 visible GPUs by default; --workers N on the cpu backend), or the workers of a running cluster
-(--scheduler ADDR; start one worker per GPU on each host: `CUDA_VISIBLE_DEVICES=i dask worker ADDR
---nthreads 1 --nworkers 1`, with the bundle at the same path). Every record names the machine it was timed
+(--scheduler ADDR; start one worker per GPU on each host: `CUDA_VISIBLE_DEVICES=i
+PYTHONPATH=REPO/bench/sweeps:REPO/runtime dask worker ADDR --nthreads 1 --nworkers 1`, with the bundle at the same
+path). Every record names the machine it was timed
 on; the store's "meta" lines describe each machine (GPU or CPU model, driver and library versions) and the
 sources (git describe, the bundle's toolchain).
 """
@@ -346,7 +347,12 @@ def visible_gpus() -> list[str]:
 def local_cluster(device: str, workers: Optional[int]):
     """One single-threaded worker process per visible GPU (each sees only its GPU), or `workers` processes on
     the cpu backend, each with its share of the cores for the kernels' OpenMP threads."""
+    import logging
+
     from dask.distributed import Nanny, Scheduler, SpecCluster
+
+    logging.getLogger("distributed").setLevel(logging.WARNING)  # the nannies and scheduler live in this process
+    os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")  # read by the workers as they import distributed
 
     if device == "cuda":
         gpus = visible_gpus()
@@ -359,8 +365,7 @@ def local_cluster(device: str, workers: Optional[int]):
         count = workers or 1
         threads = str(max(1, (os.cpu_count() or 1) // count))
         envs = {f"cpu{i}": {"OMP_NUM_THREADS": threads} for i in range(count)}
-    quiet = {"DASK_LOGGING__DISTRIBUTED": os.environ.get("DASK_LOGGING__DISTRIBUTED", "error")}
-    specs = {name: {"cls": Nanny, "options": {"nthreads": 1, "env": {**env, **quiet}, "dashboard": False}}
+    specs = {name: {"cls": Nanny, "options": {"nthreads": 1, "env": env, "dashboard": False}}
              for name, env in envs.items()}
     return SpecCluster(workers=specs, scheduler={"cls": Scheduler, "options": {"dashboard": False}}, silence_logs=40)
 
@@ -498,4 +503,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run through the module named sweep, so that Dask sends its tasks by reference (the workers import this
+    # file, and keep each loaded bundle between tasks) rather than as pickled copies of __main__
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import sweep as _module
+
+    sys.exit(_module.main())

@@ -279,8 +279,10 @@ def split(problem, kernels) -> tuple[list, list]:
     model = model_of(kernels)
     if model is None:
         return [], list(kernels)
-    covered = [kern for kern in kernels if model.applies(problem, kern.key)]
-    return covered, [kern for kern in kernels if not model.applies(problem, kern.key)]
+    covered, rest = [], []
+    for kern in kernels:
+        (covered if model.applies(problem, kern.key) else rest).append(kern)
+    return covered, rest
 
 
 def scores(problem, kernels) -> Optional[np.ndarray]:
@@ -291,14 +293,19 @@ def scores(problem, kernels) -> Optional[np.ndarray]:
     return model.predict(problem, [kern.key for kern in kernels], tuple(kern.name for kern in kernels))
 
 
-def rank(problem, kernels) -> Optional[list]:
+def rank(problem, kernels, *, covered: bool = False) -> Optional[list]:
     """Kernels sorted by the model's prediction, or None when no model covers every kernel (mixing
-    predictions with another ranker's estimates would compare unlike numbers)."""
+    predictions with another ranker's estimates would compare unlike numbers). covered: the caller has
+    checked that the model covers them all (split)."""
     if not kernels:
         return []
-    predicted = scores(problem, kernels)
+    if covered:
+        predicted = model_of(kernels).predict(problem, [k.key for k in kernels], tuple(k.name for k in kernels))
+    else:
+        predicted = scores(problem, kernels)
     if predicted is None:
         return None
+    predicted = predicted.tolist()  # Python floats: a cheaper sort key than numpy scalars
     order = sorted(range(len(kernels)), key=lambda i: (predicted[i], kernels[i].name))
     return [kernels[i] for i in order]
 

@@ -150,7 +150,7 @@ def learned(problem, kernels) -> list:
 
     kernels = list(kernels)
     covered, rest = learned_models.split(problem, kernels)
-    ranked = learned_models.rank(problem, covered) if covered else None
+    ranked = learned_models.rank(problem, covered, covered=True) if covered else None
     return ranked + analytic(problem, rest) if ranked is not None else analytic(problem, kernels)
 
 
