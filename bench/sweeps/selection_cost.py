@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import statistics
 import subprocess
 import sys
@@ -29,7 +28,7 @@ sys.path.insert(0, str(REPO / "runtime"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tiledispatch as td  # noqa: E402
-from tiledispatch import backends, learned, selection  # noqa: E402
+from tiledispatch import learned, selection  # noqa: E402
 from tiledispatch.ops.conv import ConvProblem  # noqa: E402
 
 
@@ -118,7 +117,11 @@ def main() -> int:
     reg = td.load(bundle_dir)
     with tempfile.TemporaryDirectory() as tmp:
         learned.MODELS_DIR = Path(tmp)
-        model_path = synthetic_model(reg, Path(tmp))
+        kept = bundle_dir.parent / "selection_cost_model.json"  # reused while the bundle's kernels stay the same
+        if kept.exists() and json.loads(kept.read_text())["trained"]["kernel_names"] == [k.name for k in reg.kernels]:
+            (Path(tmp) / f"cpu_{reg.arch}_conv_fwd.json").write_text(kept.read_text())
+        else:
+            kept.write_text(synthetic_model(reg, Path(tmp)).read_text())
         learned.model_for.cache_clear()
         model = learned.model_for("cpu", reg.arch, "conv_fwd")
         rows = []
