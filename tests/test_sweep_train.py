@@ -242,3 +242,34 @@ def test_cost_terms_equal_estimated_cost():
                             assert list(selection.cost_terms(p, mine)["cost"]) == expect, (backend, arch, name, p)
                             checked += len(mine)
     assert checked > 200
+
+
+def test_train_a_gemm_model_on_the_shipped_features(tiny_bundle, tmp_path, monkeypatch):
+    """GEMM goes through the same commands and keeps its features (those of the shipped cutlass model)."""
+    pytest.importorskip("lightgbm")
+    import train
+
+    problems = sweep.random_problems("gemm", 16, 3, direction=None, dtype="fp32", layout=None, max_flop=2e7)
+    sweep.sweep([str(tiny_bundle)], "gemm", problems, out_dir=tmp_path / "sweeps", workers=1, batch_ms=0.2,
+                repeats=2, log=lambda *_: None)
+    written = train.train([str(p) for p in (tmp_path / "sweeps").glob("*.jsonl.gz")], tmp_path / "models",
+                          target="ratio", folds=3, rounds=15, params={**train.PARAMS, "min_child_samples": 3},
+                          log=lambda *_: None)
+    assert [p.name for p in written] == [f"cpu_{ARCH}_gemm.json"]
+    data = json.loads(written[0].read_text())
+    assert data["features"] == list(learned.GEMM_FEATURES) and data["target"].startswith("ratio")
+    monkeypatch.setattr(learned, "MODELS_DIR", written[0].parent)
+    learned.model_for.cache_clear()
+    try:
+        reg = __import__("tiledispatch").load(tiny_bundle)
+        p = problems[0]["problem"]
+        fits = reg.candidates(p)
+        model = learned.model_for("cpu", ARCH, "gemm")
+        predicted, unit = model.predicted_times(p, [k.key for k in fits])
+        assert unit == "x_best" and (predicted > 0).all()
+        scores = model.predict(p, [k.key for k in fits])  # minus the predicted ratio to the best
+        np.testing.assert_allclose(scores, -1 / predicted, rtol=1e-9)
+        best = min(range(len(fits)), key=lambda i: (scores[i], fits[i].name))
+        assert selection.learned(p, fits)[0] is fits[best]
+    finally:
+        learned.model_for.cache_clear()
