@@ -305,6 +305,7 @@ def time_problem(bundles: tuple[str, ...], problem_dict: dict, kernel_names: lis
     """Time the named kernels on one problem (a Dask task). {"machine": ..., "records": [...]}: one record per
     kernel, with its median and raw batch times, or the reason it cannot run the problem."""
     from tiledispatch.errors import TileDispatchError
+    from tiledispatch.ops import get as ops_get
 
     reg = _registry(tuple(bundles))
     problem = problem_from_dict(problem_dict, op=problem_dict["op"])
@@ -314,21 +315,21 @@ def time_problem(bundles: tuple[str, ...], problem_dict: dict, kernel_names: lis
 
         stream = torch.cuda.current_stream().cuda_stream
     tensors = _operands(problem, reg.device, settings.get("seed", 0))
-    ops = __import__("tiledispatch.ops", fromlist=["get"]).get(problem.op).operands_for(problem, tensors)
+    ops = ops_get(problem.op).operands_for(problem, tensors)
     timed = _timer(reg.device, stream)
     records = []
     for name in kernel_names:
         record = {"problem": problem.to_dict(), "problem_id": problem_id(problem), "kernel": name}
-        try:
+        try:  # a refusal by td_can_run, or at launch (e.g. by CUTLASS), is recorded: that kernel cannot run it
             plan = reg.plan(problem, kernel=name, stream=stream)
             plan.prepare(ops)
+            plan.launch()  # warm-up: first-touch of the operands, instruction caches, lazy module loading
+            probe = timed(plan.launch, 1)
+            calls = max(1, min(10000, int(settings["batch_ms"] / max(probe, 1e-4))))
+            samples = [timed(plan.launch, calls) for _ in range(settings["repeats"])]
         except TileDispatchError as e:
-            records.append({**record, "ms": None, "refused": str(e)})
+            records.append({**record, "ms": None, "refused": f"{type(e).__name__}: {e}"})
             continue
-        plan.launch()  # warm-up: first-touch of the operands, instruction caches, lazy module loading
-        probe = timed(plan.launch, 1)
-        calls = max(1, min(10000, int(settings["batch_ms"] / max(probe, 1e-4))))
-        samples = [timed(plan.launch, calls) for _ in range(settings["repeats"])]
         records.append({**record, "ms": statistics.median(samples), "samples_ms": samples, "calls": calls})
     return {"machine": machine(reg.device), "records": records}
 
@@ -403,7 +404,7 @@ def sweep(bundles: list[str], op: str, problems: list[dict], *, direction: Optio
           out_dir: Path = RESULTS, scheduler: Optional[str] = None, workers: Optional[int] = None,
           batch_ms: float = 1.0, repeats: int = 5, budget_s: Optional[float] = None, log=print) -> dict:
     """Time every kernel of the bundles for the op / direction on every problem the store lacks; returns
-    {"store", "timed", "skipped", "problems"}."""
+    {"store", "timed", "skipped", "failed" (problems whose task raised: nothing stored), "problems"}."""
     from dask.distributed import Client, as_completed
 
     facts = bundle_facts(bundles)
@@ -423,7 +424,7 @@ def sweep(bundles: list[str], op: str, problems: list[dict], *, direction: Optio
             todo.append((entry, missing))
     log(f"{store}: {len(problems)} problem(s), {len(names)} kernel(s); {skipped} pair(s) stored, "
         f"{sum(len(m) for _, m in todo)} to time")
-    result = {"store": str(store), "timed": 0, "skipped": skipped, "problems": len(problems)}
+    result = {"store": str(store), "timed": 0, "skipped": skipped, "failed": 0, "problems": len(problems)}
     if not todo:
         return result
     sources = {"git": git_describe(), "bundles": facts["bundles"], "toolchain": facts["toolchain"],
@@ -444,8 +445,14 @@ def sweep(bundles: list[str], op: str, problems: list[dict], *, direction: Optio
                                  key=f"time-{i}-{hashlib.sha1(problem_id(entry['problem']).encode()).hexdigest()[:12]}")
                    for i, (entry, missing) in enumerate(todo)]
         groups = {problem_id(e["problem"]): e["groups"] for e, _ in todo}
+        problem_of = {f.key: problem_id(e["problem"]) for f, (e, _) in zip(futures, todo)}
         for future in as_completed(futures):
-            out = future.result()
+            try:
+                out = future.result()
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory: nothing is stored, a rerun tries again
+                result["failed"] += 1
+                log(f"{problem_of[future.key]}: failed ({type(e).__name__}: {e}); a rerun tries it again")
+                continue
             tag = hashlib.sha256(json.dumps(out["machine"], sort_keys=True).encode()).hexdigest()[:16]
             lines = []
             if tag not in known:
@@ -499,7 +506,7 @@ def main(argv=None) -> int:
     result = sweep(bundles, op, problems, direction=a.direction, out_dir=Path(a.out), scheduler=a.scheduler,
                    workers=a.workers, batch_ms=batch_ms, repeats=a.repeats, budget_s=a.budget_s)
     print(json.dumps(result))
-    return 0
+    return 1 if result["failed"] else 0
 
 
 if __name__ == "__main__":
