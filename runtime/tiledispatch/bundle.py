@@ -61,6 +61,7 @@ def write_manifest(bundle_dir: str | Path, keys: list[KernelKey], *, backend: st
         "host": {"machine": platform.machine(), "system": platform.system()},
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "kernels": kernels,
+        "selection_models": selection_models(keys),
     }
     target = bundle_dir / MANIFEST
     fd, tmp = tempfile.mkstemp(dir=bundle_dir, prefix=".manifest.")
@@ -69,6 +70,21 @@ def write_manifest(bundle_dir: str | Path, keys: list[KernelKey], *, backend: st
         f.write("\n")
     os.replace(tmp, target)
     return target
+
+
+def selection_models(keys: list[KernelKey]) -> dict:
+    """Per task of the keys (gemm, conv_<direction>): the learned model that ranks them (its file and version)
+    and the kernels it covers but was never trained on; None for a task no model covers."""
+    from . import learned
+
+    out = {}
+    for task in sorted({learned.task_of(key) for key in keys}):
+        mine = [key for key in keys if learned.task_of(key) == task]
+        model = learned.model_for(mine[0].backend, mine[0].arch, task)
+        out[task] = None if model is None else {
+            "model": learned.model_path(mine[0].backend, mine[0].arch, task).name, "version": model.version,
+            "covers": sum(model.applies(None, key) for key in mine), "unseen": model.unseen(mine)}
+    return out
 
 
 def remove_stale_kernels(bundle_dir: str | Path, keys: list[KernelKey]) -> list[str]:

@@ -263,6 +263,7 @@ def cmd_info(reg, a) -> int:
         _print({"backend": m["backend"], "arch": m["arch"], "kernel_sets": m.get("kernel_sets"),
                 "toolchain": m.get("toolchain"), "created": m.get("created"), "kernels": len(m["kernels"]),
                 "selection_models": learned.describe(m["backend"], m["arch"]),
+                "ranked_by": reg.selection_models(),
                 **({"pack": m["pack"], "skipped": reg.skipped} if "pack" in m else {})})
     return 0
 
@@ -275,12 +276,43 @@ def cmd_select(reg, a) -> int:
     result = {"problem": p.to_dict(), "selected": None,
               "ranked": [{"kernel": k.name, "estimated_cost": selection.estimated_cost(p, k.key)} for k in ranked],
               "rejected": {k.name: r for k, r in explained if r is not None}}
+    if a.explain:
+        result["explain"] = _explain_model(reg, p, fits, a.top)
     try:
         result["selected"] = reg.select(p, a.ranker).name  # auto: a tuning record may override the ranking
     except errors.UnsupportedProblemError as e:  # no kernel: an error object that still lists the reasons
         result = {**_error(e), **result}
     _print(result)
     return EXIT_ERROR if result["selected"] is None else 0
+
+
+def _explain_model(reg, p, fits: list, top: int) -> dict:
+    """The learned model's view of the problem: which model (file, version, card), its top `top` kernels with
+    their predicted times and, when this device has a tuning record for the problem and these candidates, the
+    measured ones; the candidates the model does not cover (ranked after its own, analytically) and those it
+    covers but never saw in training."""
+    model = learned.model_of(fits)
+    if model is None:
+        return {"model": None, "why": f"no learned model for {reg.backend}/{reg.arch} "
+                                      f"{_task(p)}: analytic ranking"}
+    covered, rest = learned.split(p, fits)
+    record = reg.tuning_record(p, fits)
+    measured = (record or {}).get("times_ms", {})
+    predicted, unit = model.predicted_times(p, [k.key for k in covered], tuple(k.name for k in covered))
+    order = sorted(range(len(covered)), key=lambda i: (predicted[i], covered[i].name))[:top]
+    return {"model": {"file": learned.model_path(reg.backend, reg.arch, model.task).name, "version": model.version,
+                      "trained": {k: model.meta.get(k) for k in ("date", "machine", "machines", "shapes", "kernels")
+                                  if k in model.meta},
+                      "target": model.target, "bundle_recorded": (reg.manifest.get("selection_models") or {}).get(
+                          model.task)},
+            "top": [{"kernel": covered[i].name, f"predicted_{unit}": float(predicted[i]),
+                     "measured_ms": measured.get(covered[i].name)} for i in order],
+            "tuned": None if record is None else {"kernel": record.get("kernel"), "when": record.get("when")},
+            "not_covered": [k.name for k in rest], "unseen_in_training": model.unseen([k.key for k in covered])}
+
+
+def _task(p) -> str:
+    return p.op if p.op != "conv" else f"conv_{p.direction}"
 
 
 def cmd_run(reg, a) -> int:
@@ -337,6 +369,11 @@ def _common_options(sp, command: str) -> None:
                     help="refuse problems whose inputs need more host memory (default: the memory available)")
     if command == "run":
         sp.add_argument("--validate", action="store_true", help="compare with a float64 numpy reference")
+    if command == "select":
+        sp.add_argument("--explain", action="store_true",
+                        help="show the learned model (version, card) and its top kernels with predicted and, where "
+                             "this device tuned the problem, measured times")
+        sp.add_argument("--top", type=_at_least(1), default=8, help="how many of the model's best kernels --explain lists")
     if command == "bench":
         sp.add_argument("--warmup", type=_at_least(0), default=2)
         sp.add_argument("--repeat", type=_at_least(1), default=10)

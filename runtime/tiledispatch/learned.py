@@ -9,8 +9,10 @@ runtime call, so the two can never disagree about what a feature means.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
+from collections import OrderedDict
 from pathlib import Path
 from typing import Optional
 
@@ -25,36 +27,101 @@ GEMM_FEATURES = (
     "tiles", "log2_tiles", "waves", "last_wave_fill", "edge_fill_m", "edge_fill_n", "edge_fill",
     "k_iterations", "log2_k_iterations", "log2_analytic_cost", "tile_intensity", "cluster_tiles_idle",
 )
+# conv, one model per direction: the problem, the kernel and how the kernel's family maps the problem onto its
+# tiles (its cost model in templates/<backend>/<family>/__init__.py, through selection.cost_terms)
+CONV_FEATURES = (
+    "log2_batch_n", "log2_groups", "log2_c_per_group", "log2_k_per_group", "spatial_dims", "log2_in_pixels",
+    "log2_out_pixels", "log2_taps", "stride", "dilation", "log2_problem_flops", "depthwise", "pointwise",
+    "tile_m", "tile_n", "tile_k", "mma_m", "mma_n", "mma_k", "warps", "stages", "split_k", "cluster_m", "cluster_n",
+    "resident_ctas", "log2_cost_factor",
+    "log2_m", "log2_n", "log2_k", "log2_view_batch", "lanes", "log2_tiles", "runtime_split", "waves",
+    "last_wave_fill", "edge_fill_m", "edge_fill_n", "edge_fill", "log2_k_iterations", "persistent_partials",
+    "log2_analytic_cost", "tile_intensity",
+)
+FEATURES = {"gemm": GEMM_FEATURES, "conv": CONV_FEATURES}
+TASKS = ("gemm", "conv_fwd", "conv_bwd_data", "conv_bwd_weight")  # one model per backend, arch and task
+
+
+def task_of(key) -> str:
+    """A kernel's (or problem's) model task: gemm, or conv_<direction>."""
+    sig = getattr(key, "signature", key)
+    return sig.op if sig.op != "conv" else f"conv_{sig.direction}"
+
+
+def _key_columns(keys) -> dict:
+    alg = [key.algorithm for key in keys]
+    col = lambda f: np.array([f(a) for a in alg], dtype=np.float64)  # noqa: E731
+    return {"mma_m": col(lambda a: a.mma[0]), "mma_n": col(lambda a: a.mma[1]), "mma_k": col(lambda a: a.mma[2]),
+            "warps": col(lambda a: a.warps[0] * a.warps[1] * a.warps[2]), "stages": col(lambda a: a.stages),
+            "cooperative": col(lambda a: a.pipeline.endswith("cooperative")),
+            "stream_k": col(lambda a: a.scheduler == "stream_k")}
+
+
+def features(problem, keys, names=None) -> np.ndarray:
+    """The features (rows: keys, columns: FEATURES[problem.op]) of a problem with each kernel: the one function
+    training (bench/sweeps/train.py) and the runtime ranker call. names: the keys' names where the caller has
+    them (they key the caches of what the keys alone decide)."""
+    from .selection import cost_terms
+
+    keys = list(keys)
+    t = cost_terms(problem, keys, names)
+    s = t["static"]
+    token = ("features", names if names is not None else tuple(keys))
+    kc = _KEY_COLUMNS.get(token)
+    if kc is None:
+        kc = _KEY_COLUMNS[token] = _key_columns(keys)
+        if len(_KEY_COLUMNS) > 64:
+            _KEY_COLUMNS.popitem(last=False)
+    f64 = lambda a: np.asarray(a, dtype=np.float64)  # noqa: E731
+    m, n, k, batch = (f64(t[c]) for c in ("m", "n", "k", "batch"))
+    tm, tn, tk = f64(s.tm), f64(s.tn), f64(s.tk)
+    tiles_m, tiles_n = f64(t["tiles_m"]), f64(t["tiles_n"])
+    units = f64(s.units)
+    cols = {"tile_m": tm, "tile_n": tn, "tile_k": tk, "cluster_m": f64(s.cm), "cluster_n": f64(s.cn),
+            "split_k": f64(s.split_k), "tile_intensity": tm * tn / (tm + tn), "log2_analytic_cost": np.log2(t["cost"]),
+            "log2_m": np.log2(m), "log2_n": np.log2(n), "log2_k": np.log2(k),
+            "edge_fill_m": m / (tiles_m * tm), "edge_fill_n": n / (tiles_n * tn),
+            "edge_fill": m * n / (tiles_m * tm * tiles_n * tn), **kc}
+    if problem.op == "gemm":  # the shipped GEMM model's definitions: the key's split_k, no cluster rounding
+        tiles = tiles_m * tiles_n * batch * cols["split_k"]
+        waves = tiles / units
+        k_iters = np.ceil(np.ceil(k / cols["split_k"]) / tk)
+        cluster_tiles = np.ceil(tiles_m / cols["cluster_m"]) * cols["cluster_m"] * np.ceil(
+            tiles_n / cols["cluster_n"]) * cols["cluster_n"] * batch * cols["split_k"]
+        cols.update({"log2_mnk": np.log2(m * n * k), "log2_batch": np.log2(batch), "tiles": tiles,
+                     "log2_tiles": np.log2(tiles), "waves": waves,
+                     "last_wave_fill": tiles / (np.ceil(waves) * units), "k_iterations": k_iters,
+                     "log2_k_iterations": np.log2(k_iters), "cluster_tiles_idle": (cluster_tiles - tiles) / cluster_tiles})
+    else:
+        p = problem
+        cg, kg, taps = p.c // p.g, p.k // p.g, math.prod(p.filter_size)
+        pointwise = taps == 1 and set(p.stride) == {1} and not any(p.pad_lo) and not any(p.pad_hi)
+        tiles = f64(t["output_tiles"] * t["split"])
+        slots = units * f64(s.resident)
+        waves = tiles / slots
+        one = np.ones(len(keys))
+        cols.update({
+            "log2_batch_n": one * math.log2(p.n), "log2_groups": one * math.log2(p.g),
+            "log2_c_per_group": one * math.log2(cg), "log2_k_per_group": one * math.log2(kg),
+            "spatial_dims": one * p.spatial_dims, "log2_in_pixels": one * math.log2(math.prod(p.in_size)),
+            "log2_out_pixels": one * math.log2(math.prod(p.out_size)), "log2_taps": one * math.log2(taps),
+            "stride": one * max(p.stride), "dilation": one * max(p.dilation),
+            "log2_problem_flops": one * math.log2(p.flops()), "depthwise": one * (cg == 1 and kg == 1),
+            "pointwise": one * pointwise, "resident_ctas": f64(s.resident), "log2_cost_factor": np.log2(s.cost_factor),
+            "log2_view_batch": np.log2(batch), "lanes": f64((batch == 1) & (p.g > 1)), "log2_tiles": np.log2(tiles),
+            "runtime_split": f64(t["runtime_split"]), "waves": waves,
+            "last_wave_fill": tiles / (np.ceil(waves) * slots),
+            "log2_k_iterations": np.log2(np.ceil(np.ceil(k / f64(t["split"])) / tk)),
+            "persistent_partials": f64(~np.isnan(t["partials_steps"]))})
+    return np.column_stack([cols[name] for name in FEATURES[problem.op]])
+
+
+_KEY_COLUMNS: OrderedDict = OrderedDict()
 
 
 def gemm_features(problem, key) -> list[float]:
     """The features of one (problem, kernel) pair, in GEMM_FEATURES order."""
-    from .selection import compute_units, estimated_cost, gemm_view
-
-    m, n, k, batch = gemm_view(problem, key)
-    alg = key.algorithm
-    tm, tn, tk = alg.tile
-    cm, cn = alg.cluster[0], alg.cluster[1]
-    split = alg.split_k
-    tiles_m, tiles_n = math.ceil(m / tm), math.ceil(n / tn)
-    tiles = tiles_m * tiles_n * batch * split
-    units = compute_units(key.backend, key.arch)
-    waves = tiles / units
-    k_iters = math.ceil(math.ceil(k / split) / tk)
-    # tiles a cluster launches beyond the grid (clusters round the grid up to their shape)
-    cluster_tiles = math.ceil(tiles_m / cm) * cm * math.ceil(tiles_n / cn) * cn * batch * split
-    return [
-        math.log2(m), math.log2(n), math.log2(k), math.log2(m * n * k), math.log2(batch),
-        tm, tn, tk, cm, cn, float(alg.pipeline.endswith("cooperative")), float(alg.scheduler == "stream_k"),
-        split, alg.stages,
-        tiles, math.log2(tiles), waves, tiles / (math.ceil(waves) * units), m / (tiles_m * tm), n / (tiles_n * tn),
-        m * n / (tiles_m * tm * tiles_n * tn),
-        k_iters, math.log2(k_iters), math.log2(estimated_cost(problem, key)), tm * tn / (tm + tn),
-        (cluster_tiles - tiles) / cluster_tiles,
-    ]
-
-
-FEATURES = {"gemm": (GEMM_FEATURES, gemm_features)}
+    return features(problem, [key])[0].tolist()
 
 
 class TreeEnsemble:
@@ -76,53 +143,113 @@ class TreeEnsemble:
             raise ValueError("tree child index out of range")
 
     def predict(self, x: np.ndarray) -> np.ndarray:
-        """One prediction per row of x (rows x features)."""
-        rows = np.arange(x.shape[0])[None, :]
-        node = np.repeat(self.roots[:, None], x.shape[0], axis=1)
-        for _ in range(self.depth):
-            go_left = x[rows, self.feature[node]] <= self.threshold[node]
+        """One prediction per row of x (rows x features). Every (tree, row) pair walks down one level per step
+        and leaves the walk at its leaf, so the work is the pairs' actual depths, not the deepest tree's."""
+        rows = x.shape[0]
+        node = np.repeat(self.roots, rows)
+        row = np.tile(np.arange(rows), len(self.roots))
+        out = np.zeros(rows)
+        for _ in range(self.depth + 1):
+            at_leaf = self.left[node] == node
+            if at_leaf.any():
+                out += np.bincount(row[at_leaf], weights=self.value[node[at_leaf]], minlength=rows)
+                walking = ~at_leaf
+                node, row = node[walking], row[walking]
+                if not len(node):
+                    break
+            go_left = x[row, self.feature[node]] <= self.threshold[node]
             node = np.where(go_left, self.left[node], self.right[node])
-        return self.value[node].sum(axis=0)
+        return out
 
 
 class Model:
-    """One trained ranker: the ensemble, its feature list and what it applies to."""
+    """One trained ranker: the ensemble, its feature list, what it applies to and the kernels it was trained on."""
 
     def __init__(self, data: dict, origin: str = ""):
         if data.get("schema") != MODEL_SCHEMA:
             raise ValueError(f"{origin}: model schema {data.get('schema')!r}, expected {MODEL_SCHEMA}")
-        self.op = data["applies_to"]["op"]
-        names, self._features = FEATURES[self.op]
-        if tuple(data["features"]) != names:
-            raise ValueError(f"{origin}: the model's features differ from this runtime's ({self.op})")
         self.applies_to = data["applies_to"]
+        self.op = self.applies_to["op"]
+        if self.op not in FEATURES:
+            raise ValueError(f"{origin}: a model for op {self.op!r}; this runtime has features for "
+                             f"{', '.join(FEATURES)}")
+        self.direction = self.applies_to.get("direction") if self.op == "conv" else None
+        self.task = self.op if self.op != "conv" else f"conv_{self.direction}"
+        if self.task not in TASKS:
+            raise ValueError(f"{origin}: a conv model names no direction (applies_to.direction)")
+        if tuple(data["features"]) != FEATURES[self.op]:
+            raise ValueError(f"{origin}: the model's features differ from this runtime's ({self.op})")
         self.trees = TreeEnsemble(data["trees"])
         self.meta = data.get("trained", {})
+        # what identifies this model: its trees, features and domain (not where the file lies)
+        body = json.dumps({k: data[k] for k in ("features", "applies_to", "trees")}, sort_keys=True)
+        self.version = f"{self.meta.get('date', 'undated')}-{hashlib.sha256(body.encode()).hexdigest()[:12]}"
+        self.kernel_names = tuple(self.meta.get("kernel_names") or ())
+        # the ranker sorts ascending: a model of a quantity where higher is better (throughput) is negated
+        self.sign = -1.0 if data.get("higher_is_better") else 1.0
+        self._target = data.get("target", "log_time_ratio")
 
     def applies(self, problem, key) -> bool:
         want = self.applies_to
         return (key.backend == want["backend"] and key.arch == want["arch"] and key.signature.op == self.op
+                and (self.direction is None or key.signature.direction == self.direction)
                 and key.signature.dtype_a in want["dtypes"] and key.signature.layout in want["layouts"]
                 and all(getattr(key.algorithm, f) in v for f, v in want.get("algorithm", {}).items()))
 
-    def predict(self, problem, keys) -> np.ndarray:
-        """Predicted log(time / best time) of each key on the problem (lower is better)."""
-        x = np.array([self._features(problem, key) for key in keys], dtype=np.float64)
-        return self.trees.predict(x)
+    @functools.cached_property
+    def _seen(self) -> frozenset:
+        from .spec.key import parse_kernel_name
+
+        return frozenset(_what_the_model_sees(parse_kernel_name(n)) for n in self.kernel_names)
+
+    def knows(self, key) -> bool:
+        """Whether the model was trained on this kernel: one of its training kernels has the same layout and
+        algorithm (a dtype of the model's domain, any epilogue: neither is a feature)."""
+        return _what_the_model_sees(key) in self._seen
+
+    def unseen(self, keys) -> list[str]:
+        """The names of the keys this model covers (applies) but was never trained on; every covered key when
+        the model does not list its training kernels (an older model file)."""
+        return [key.name for key in keys if self.applies(None, key) and not self.knows(key)]
+
+    @property
+    def target(self) -> str:
+        return self._target
+
+    def predicted_times(self, problem, keys, names=None) -> tuple[np.ndarray, str]:
+        """(each key's predicted time, its unit): milliseconds for a throughput model (log1p_tflops), else the
+        time relative to the problem's best kernel ("x_best")."""
+        raw = self.trees.predict(features(problem, keys, names))
+        kind = self._target.split(":", 1)[0]
+        if kind == "log1p_tflops":
+            return problem.flops() / (np.maximum(np.expm1(raw), 1e-12) * 1e12) * 1e3, "ms"
+        if kind == "ratio":
+            return 1.0 / np.maximum(raw, 1e-6), "x_best"
+        return np.exp(raw), "x_best"  # log(time / best time)
+
+    def predict(self, problem, keys, names=None) -> np.ndarray:
+        """The model's score of each key on the problem, lower is better (e.g. the predicted log(time / best
+        time), or minus a predicted throughput)."""
+        return self.sign * self.trees.predict(features(problem, keys, names))
+
+
+def _what_the_model_sees(key) -> tuple:
+    return key.backend, key.arch, key.signature.op, key.signature.direction, key.signature.layout, key.algorithm
 
 
 _PACK_MODELS: dict[str, Path] = {}  # file name -> a model a loaded pack carries (loader.py)
 
 
-def model_path(backend: str, arch: str, op: str) -> Path:
-    """The runtime's own model; where it has none, one a loaded pack carries."""
-    own = MODELS_DIR / f"{backend}_{arch}_{op}.json"
+def model_path(backend: str, arch: str, task: str) -> Path:
+    """The runtime's own model for a task (gemm, conv_fwd, conv_bwd_data, conv_bwd_weight); where it has
+    none, one a loaded pack carries."""
+    own = MODELS_DIR / f"{backend}_{arch}_{task}.json"
     return own if own.exists() or own.name not in _PACK_MODELS else _PACK_MODELS[own.name]
 
 
 def add_pack_models(paths) -> None:
-    """Use these model files (named <backend>_<arch>_<op>.json) for backends / arches / ops the runtime ships
-    no model for; the first pack loaded that carries one wins."""
+    """Use these model files (named <backend>_<arch>_<task>.json) for backends / arches / tasks the runtime
+    ships no model for; the first pack loaded that carries one wins."""
     new = [path for path in map(Path, paths) if path.name not in _PACK_MODELS]
     for path in new:
         _PACK_MODELS[path.name] = path
@@ -131,46 +258,64 @@ def add_pack_models(paths) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def model_for(backend: str, arch: str, op: str) -> Optional[Model]:
-    """The shipped model for a backend, arch and op, or None when there is none."""
-    path = model_path(backend, arch, op)
-    if op not in FEATURES or not path.exists():
+def model_for(backend: str, arch: str, task: str) -> Optional[Model]:
+    """The shipped model for a backend, arch and task (gemm or conv_<direction>), or None when there is none."""
+    path = model_path(backend, arch, task)
+    if task not in TASKS or not path.exists():
         return None
     return Model(json.loads(path.read_text()), str(path))
 
 
+def model_of(kernels) -> Optional[Model]:
+    """The model for the kernels' backend, arch and task (taken from the first), or None."""
+    if not kernels:
+        return None
+    first = kernels[0].key
+    return model_for(first.backend, first.arch, task_of(first))
+
+
 def split(problem, kernels) -> tuple[list, list]:
     """(the kernels a shipped model covers, the others)."""
-    if not kernels:
-        return [], []
-    first = kernels[0].key
-    model = model_for(first.backend, first.arch, first.signature.op)
+    model = model_of(kernels)
     if model is None:
         return [], list(kernels)
-    covered = [kern for kern in kernels if model.applies(problem, kern.key)]
-    return covered, [kern for kern in kernels if not model.applies(problem, kern.key)]
+    covered, rest = [], []
+    for kern in kernels:
+        (covered if model.applies(problem, kern.key) else rest).append(kern)
+    return covered, rest
 
 
-def rank(problem, kernels) -> Optional[list]:
-    """Kernels sorted by the model's prediction, or None when no model covers every kernel (mixing
-    predictions with another ranker's estimates would compare unlike numbers)."""
-    if not kernels:
-        return []
-    first = kernels[0].key
-    model = model_for(first.backend, first.arch, first.signature.op)
+def scores(problem, kernels) -> Optional[np.ndarray]:
+    """The model's prediction for each kernel, or None when no model covers every kernel."""
+    model = model_of(kernels)
     if model is None or not all(model.applies(problem, kern.key) for kern in kernels):
         return None
-    scores = model.predict(problem, [kern.key for kern in kernels])
-    order = sorted(range(len(kernels)), key=lambda i: (scores[i], kernels[i].name))
+    return model.predict(problem, [kern.key for kern in kernels], tuple(kern.name for kern in kernels))
+
+
+def rank(problem, kernels, *, covered: bool = False) -> Optional[list]:
+    """Kernels sorted by the model's prediction, or None when no model covers every kernel (mixing
+    predictions with another ranker's estimates would compare unlike numbers). covered: the caller has
+    checked that the model covers them all (split)."""
+    if not kernels:
+        return []
+    if covered:
+        predicted = model_of(kernels).predict(problem, [k.key for k in kernels], tuple(k.name for k in kernels))
+    else:
+        predicted = scores(problem, kernels)
+    if predicted is None:
+        return None
+    predicted = predicted.tolist()  # Python floats: a cheaper sort key than numpy scalars
+    order = sorted(range(len(kernels)), key=lambda i: (predicted[i], kernels[i].name))
     return [kernels[i] for i in order]
 
 
 def describe(backend: str, arch: str) -> dict:
     """What each shipped model of a backend/arch was trained on and how well it did (for `info`)."""
     out = {}
-    for op in FEATURES:
-        model = model_for(backend, arch, op)
+    for task in TASKS:
+        model = model_for(backend, arch, task)
         if model is not None:
             brief = {k: model.meta.get(k) for k in ("machine", "date", "shapes", "kernels", "cross_validated")}
-            out[op] = {"applies_to": model.applies_to, "trained": brief}
+            out[task] = {"applies_to": model.applies_to, "version": model.version, "trained": brief}
     return out

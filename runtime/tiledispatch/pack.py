@@ -106,18 +106,20 @@ def create(bundle_dirs: Iterable[Union[str, Path]], output: Union[str, Path], *,
         try:
             applies = json.loads(path.read_text())["applies_to"]
             backend, arch, op = applies["backend"], applies["arch"], applies["op"]
+            task = op if op != "conv" else f"conv_{applies['direction']}"
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise BundleError(f"--model {path}: not a learned model (JSON with applies_to backend, arch, op): "
-                              f"{e}") from None
-        if path.name != f"{backend}_{arch}_{op}.json" or not _NAME.fullmatch(path.name):
-            raise BundleError(f"--model {path}: the model applies to {backend}/{arch} {op}: name it "
-                              f"{backend}_{arch}_{op}.json")
+            raise BundleError(f"--model {path}: not a learned model (JSON with applies_to backend, arch, op and, "
+                              f"for conv, direction): {e}") from None
+        if path.name != f"{backend}_{arch}_{task}.json" or not _NAME.fullmatch(path.name):
+            raise BundleError(f"--model {path}: the model applies to {backend}/{arch} {task}: name it "
+                              f"{backend}_{arch}_{task}.json")
         if any(m["file"] == f"models/{path.name}" for m in models):
-            raise BundleError(f"--model {path}: two models for {backend}/{arch} {op}")
+            raise BundleError(f"--model {path}: two models for {backend}/{arch} {task}")
         models.append({"file": f"models/{path.name}", "backend": backend, "arch": arch, "op": op})
         small[models[-1]["file"]] = bundle._read_regular(path.parent, path.name, MAX_MEMBER_BYTES)
     for b in bundles:
-        for op in sorted({k["key"]["signature"]["op"] for k in b["kernels"]}):
+        sigs = [k["key"]["signature"] for k in b["kernels"]]
+        for op in sorted({s["op"] if s["op"] != "conv" else f"conv_{s['direction']}" for s in sigs}):
             path = learned.model_path(b["backend"], b["arch"], op)
             rel = f"models/{path.name}"
             if path.is_file() and rel not in small:

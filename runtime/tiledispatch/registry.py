@@ -146,10 +146,18 @@ class Registry:
     def _explain(self, problem, operands) -> list[tuple[Kernel, Optional[str]]]:
         ops = ops_get(problem.op)
         out = []
+        # the signature match and the ABI arguments depend on the key's signature alone (the op modules' mismatch
+        # and make_args), and td_can_run takes the arguments as const: one of each per signature, not per kernel
+        per_signature: dict = {}
         for kern in self.kernels:
-            reason = problem.mismatch(kern.key)
+            sig = kern.key.signature
+            found = per_signature.get(sig)
+            if found is None:
+                reason = problem.mismatch(kern.key)
+                found = per_signature[sig] = (reason, None if reason else ops.make_args(problem, kern.key, operands))
+            reason, args = found
             if reason is None:
-                status, why = kern.library.can_run(ops.make_args(problem, kern.key, operands))
+                status, why = kern.library.can_run(args)
                 reason = None if status == abi.OK else why
             out.append((kern, reason))
         return out
@@ -203,6 +211,21 @@ class Registry:
         if self._device_identity is None:
             self._device_identity = backends.get(self.backend).driver.identity()
         return self._device_identity
+
+    def tuning_record(self, problem, fits: list[Kernel]) -> Optional[dict]:
+        """This device's tuning record for the problem and these candidates (winner, measured times), if any."""
+        if not self.tuning.records():  # nothing recorded: no need to ask the device who it is
+            return None
+        return self.tuning.get(self._identity(), tuning.problem_key(problem, [k.name for k in fits]))
+
+    def selection_models(self) -> dict:
+        """Per task of the bundle's kernels: the learned model that ranks them now (file, version, the kernels it
+        covers but never saw) and the one the bundle recorded when it was built (manifest "selection_models";
+        None for a bundle built before bundles recorded it)."""
+        now = bundle.selection_models([k.key for k in self.kernels])
+        recorded = self.manifest.get("selection_models")
+        return {task: {"now": model, "built_with": None if recorded is None else recorded.get(task)}
+                for task, model in now.items()}
 
     def _tuned(self, problem, fits: list[Kernel]) -> Optional[Kernel]:
         """The kernel this device's tuning record names for the problem and these candidates, if any."""

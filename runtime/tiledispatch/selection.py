@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections import OrderedDict
+
+import numpy as np
 
 from . import backends
 
@@ -49,7 +52,89 @@ def _round_up(x: int, multiple: int) -> int:
 
 
 def analytic(problem, kernels) -> list:
-    return sorted(kernels, key=lambda kern: (estimated_cost(problem, kern.key), kern.name))
+    kernels = list(kernels)
+    if not kernels:
+        return []
+    cost = cost_terms(problem, [kern.key for kern in kernels], tuple(kern.name for kern in kernels))["cost"]
+    return [kernels[i] for i in sorted(range(len(kernels)), key=lambda i: (cost[i], kernels[i].name))]
+
+
+class _Static:
+    """What estimated_cost reads from the keys alone, as arrays over a list of keys, and which keys' families
+    define their own gemm_view / runtime_split / partials_cost (those are asked per key; the defaults are
+    computed once per problem)."""
+
+    def __init__(self, keys):
+        fams = [backends.family_of(key) for key in keys]
+        alg = [key.algorithm for key in keys]
+        ints = lambda f: np.array([f(a) for a in alg], dtype=np.int64)  # noqa: E731
+        self.tm, self.tn, self.tk = (ints(lambda a, i=i: a.tile[i]) for i in range(3))
+        self.cm, self.cn = ints(lambda a: a.cluster[0]), ints(lambda a: a.cluster[1])
+        self.split_k = ints(lambda a: a.split_k)
+        self.units = np.array([compute_units(key.backend, key.arch) for key in keys], dtype=np.int64)
+        knee = np.array([backends.get(key.backend).selection.get("intensity_knee", 64.0) for key in keys])
+        self.efficiency = np.minimum(1.0, (self.tm * self.tn / (self.tm + self.tn)) / knee)
+        self.cost_factor = np.array([f.cost_factor(key) for f, key in zip(fams, keys)], dtype=np.float64)
+        self.resident = np.array([f.resident_ctas(key) for f, key in zip(fams, keys)], dtype=np.int64)
+        default = backends._DEFAULTS
+        self.own_view = [i for i, f in enumerate(fams) if f.gemm_view is not default["gemm_view"]]
+        self.shared_view = [i for i, f in enumerate(fams) if f.gemm_view is default["gemm_view"]]
+        self.own_split = [i for i, f in enumerate(fams) if f.runtime_split is not default["runtime_split"]]
+        self.own_partials = [i for i, f in enumerate(fams) if f.partials_cost is not default["partials_cost"]]
+        self.families = fams
+
+
+_STATICS: OrderedDict = OrderedDict()  # kernel names (or keys) -> _Static, the most recent 64 kernel lists
+
+
+def _static(keys, names) -> _Static:
+    token = names if names is not None else tuple(keys)
+    found = _STATICS.get(token)
+    if found is None:
+        found = _STATICS[token] = _Static(keys)
+        if len(_STATICS) > 64:
+            _STATICS.popitem(last=False)
+    return found
+
+
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
+def cost_terms(problem, keys, names=None) -> dict:
+    """estimated_cost for many keys at once, with its intermediate terms (arrays over the keys): the family's
+    view m, n, k, batch; output tiles (rounded up to whole clusters); the reduction split (split_k times the
+    family's runtime split); waves; k per tile; a persistent split-K family's partials cost (nan where the
+    tiles-in-waves model applies); and cost. names: the keys' names, when the caller has them (they key a
+    cache of what the keys alone decide)."""
+    s = _static(keys, names)
+    count = len(keys)
+    steps = np.full(count, np.nan)
+    for i in s.own_partials:
+        value = s.families[i].partials_cost(problem, keys[i])
+        if value is not None:
+            steps[i] = value
+    view = np.ones((count, 4), dtype=np.int64)
+    if s.shared_view:
+        view[s.shared_view] = backends._DEFAULTS["gemm_view"](problem, keys[s.shared_view[0]])
+    for i in s.own_view:
+        view[i] = s.families[i].gemm_view(problem, keys[i])
+    m, n, k, batch = view.T
+    tiles_m, tiles_n = _ceil_div(m, s.tm), _ceil_div(n, s.tn)
+    output_tiles = _ceil_div(tiles_m, s.cm) * s.cm * _ceil_div(tiles_n, s.cn) * s.cn * batch
+    runtime = np.ones(count, dtype=np.int64)
+    for i in s.own_split:
+        runtime[i] = s.families[i].runtime_split(keys[i], int(output_tiles[i]), int(k[i]), int(s.units[i]))
+    split = s.split_k * runtime
+    waves = _ceil_div(output_tiles * split, s.units)
+    k_per_tile = _ceil_div(_ceil_div(k, split), s.tk) * s.tk
+    cost = waves * s.tm * s.tn * k_per_tile / s.efficiency * s.cost_factor
+    partial = ~np.isnan(steps)
+    if partial.any():  # the same product, in the same order, as estimated_cost's
+        cost[partial] = (steps * s.tm * s.tn * s.tk * s.resident / s.efficiency * s.cost_factor)[partial]
+    return {"m": m, "n": n, "k": k, "batch": batch, "tiles_m": tiles_m, "tiles_n": tiles_n,
+            "output_tiles": output_tiles, "runtime_split": runtime, "split": split, "waves": waves,
+            "k_per_tile": k_per_tile, "partials_steps": steps, "cost": cost, "static": s}
 
 
 def gemm_view(problem, key) -> tuple[int, int, int, int]:
@@ -65,7 +150,7 @@ def learned(problem, kernels) -> list:
 
     kernels = list(kernels)
     covered, rest = learned_models.split(problem, kernels)
-    ranked = learned_models.rank(problem, covered) if covered else None
+    ranked = learned_models.rank(problem, covered, covered=True) if covered else None
     return ranked + analytic(problem, rest) if ranked is not None else analytic(problem, kernels)
 
 

@@ -289,6 +289,8 @@ def _fit_strides(v: ArrayView, letter: str, batch: int) -> tuple:
 def make_args(problem: GemmProblem, key: KernelKey, ops: Optional[Operands] = None, *, alpha: float = 1.0,
               beta: float = 0.0, clamp: tuple[float, float] = (float("-inf"), float("inf")),
               raster: int = 0, swizzle: int = 0) -> abi.TdArgs:
+    """The ABI arguments of the problem on these operands (dummy pointers without). Reads only key.signature:
+    Registry._explain shares one set of arguments among the kernels of a signature."""
     alpha, beta = real_scalar("alpha", alpha), real_scalar("beta", beta)
     clamp = clamp_pair(clamp)
     sig = key.signature

@@ -1,0 +1,160 @@
+"""What selection costs on the cpu backend with a 200-kernel bundle: the first select of a new problem and a
+repeated one, with the first split into its parts (matching: each kernel's td_can_run; the learned model's
+features; its trees).
+
+    python bench/sweeps/selection_cost.py [--kernels 200] [--problems 30] [--out bench/results/selection_cost_cpu.json]
+
+The bundle (conv fwd 2D fp32, packed and direct kernels of many tile shapes) is built with scons into
+build/selection_cost (cached). The model is LightGBM trained on a synthetic target over those kernels with the
+training defaults of bench/sweeps/train.py (300 rounds, 31 leaves), so it has the size a real model has: the cost
+of evaluating it does not depend on what it learned. Targets (issue 22): first select <= 200 us, repeated <= 1 us.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "runtime"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import tiledispatch as td  # noqa: E402
+from tiledispatch import learned, selection  # noqa: E402
+from tiledispatch.ops.conv import ConvProblem  # noqa: E402
+
+
+def kernel_set(count: int) -> str:
+    packed = [[m, n, k] for m, n, k in itertools.product((8, 16, 32, 48, 64, 96, 128), (16, 32, 48, 64, 128),
+                                                         (8, 16, 24, 32, 64, 128, 256))]
+    direct = [[m, n, k] for m, n, k in itertools.product((8, 16, 32, 64), (32, 64, 128), (8, 16, 32))]
+    tiles = [("direct", t) for t in direct] + [("packed", t) for t in packed]
+    configs = "\n".join(f"      - {{pipeline: {p}, tile: {t}}}" for p, t in tiles[:count])
+    return f"""schema: 1
+name: selection_cost
+description: many cpu conv fwd kernels for bench/sweeps/selection_cost.py
+groups:
+  - backend: cpu
+    op: conv
+    direction: fwd
+    spatial_dims: 2
+    dtype: fp32
+    layout: nhwgc
+    mma: [4, 16, 1]
+    configs:
+{configs}
+"""
+
+
+def build(count: int) -> Path:
+    build_dir = REPO / "build"
+    spec = build_dir / "selection_cost.yaml"
+    spec.parent.mkdir(parents=True, exist_ok=True)
+    spec.write_text(kernel_set(count))
+    subprocess.run([sys.executable, "-m", "SCons", "-Q", "-C", str(REPO), f"kernels={spec}", "backend=cpu",
+                    f"build_dir={build_dir}", "bundle=selection_cost"], check=True, stdout=subprocess.DEVNULL)
+    return build_dir / "selection_cost"
+
+
+def problems(count: int, seed: int) -> list[ConvProblem]:
+    rng = np.random.default_rng(seed)
+    out = []
+    while len(out) < count:
+        g = int(rng.choice([1, 1, 2, 8]))
+        c, k = g * int(rng.integers(1, 64)), g * int(rng.integers(1, 64))
+        size, f = int(rng.integers(4, 64)), int(rng.choice([1, 3, 5]))
+        out.append(ConvProblem("fwd", int(rng.integers(1, 9)), g, c, k, (size, size), (f, f), (1, 1), (1, 1),
+                               (f // 2,) * 2, (f // 2,) * 2, "fp32", "fp32", "fp32"))
+    return out
+
+
+def synthetic_model(reg, models: Path) -> Path:
+    """A model of the size training makes, fitted to the analytic cost plus noise."""
+    sys.path.insert(0, str(REPO / "bench" / "sweeps"))
+    import lightgbm as lgb
+    import train
+
+    xs, ys = [], []
+    for p in problems(60, 99):
+        fits = reg.candidates(p)
+        x = learned.features(p, [k.key for k in fits])
+        xs.append(x)
+        ys.append(-x[:, learned.CONV_FEATURES.index("log2_analytic_cost")] + np.random.default_rng(0).normal(size=len(x)))
+    booster = lgb.train(train.PARAMS, lgb.Dataset(np.concatenate(xs), np.concatenate(ys)), num_boost_round=train.ROUNDS)
+    model = {"schema": learned.MODEL_SCHEMA, "features": list(learned.CONV_FEATURES),
+             "applies_to": {"backend": "cpu", "arch": reg.arch, "op": "conv", "direction": "fwd", "dtypes": ["fp32"],
+                            "layouts": ["nhwgc"], "algorithm": {"pipeline": ["direct", "packed"]}},
+             "target": "synthetic: higher is better", "higher_is_better": True,
+             "trained": {"date": "synthetic", "kernel_names": [k.name for k in reg.kernels]},
+             "trees": train.tree_arrays(booster)}
+    path = models / f"cpu_{reg.arch}_conv_fwd.json"
+    path.write_text(json.dumps(model))
+    return path
+
+
+def us(fn, repeat: int = 1) -> float:
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - t0) / repeat * 1e6
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kernels", type=int, default=200)
+    ap.add_argument("--problems", type=int, default=30)
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "selection_cost_cpu.json"))
+    a = ap.parse_args()
+    bundle_dir = build(a.kernels)
+    reg = td.load(bundle_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        learned.MODELS_DIR = Path(tmp)
+        kept = bundle_dir.parent / "selection_cost_model.json"  # reused while the bundle's kernels stay the same
+        if kept.exists() and json.loads(kept.read_text())["trained"]["kernel_names"] == [k.name for k in reg.kernels]:
+            (Path(tmp) / f"cpu_{reg.arch}_conv_fwd.json").write_text(kept.read_text())
+        else:
+            kept.write_text(synthetic_model(reg, Path(tmp)).read_text())
+        learned.model_for.cache_clear()
+        model = learned.model_for("cpu", reg.arch, "conv_fwd")
+        rows = []
+        fresh = td.load(bundle_dir)
+        fresh.select(problems(1, 7)[0])  # loads every kernel's library: what a new problem costs after that
+        for p in problems(a.problems, 1):
+            first = us(lambda: fresh.select(p))
+            repeated = statistics.median(us(lambda: fresh.select(p), 1000) for _ in range(5))
+            fits = fresh.candidates(p)
+            keys, names = [k.key for k in fits], tuple(k.name for k in fits)
+            selection._STATICS.clear(), learned._KEY_COLUMNS.clear()
+            features_cold = us(lambda: learned.features(p, keys, names))
+            features = statistics.median(us(lambda: learned.features(p, keys, names)) for _ in range(20))
+            x = learned.features(p, keys, names)
+            trees = statistics.median(us(lambda: model.trees.predict(x)) for _ in range(5))
+            other = ConvProblem("fwd", p.n + 1, p.g, p.c, p.k, p.in_size, p.filter_size, p.stride, p.dilation,
+                                p.pad_lo, p.pad_hi, "fp32", "fp32", "fp32")
+            matching = us(lambda: fresh.explain(other))
+            rows.append({"problem": str(p), "candidates": len(fits), "first_select_us": first,
+                         "repeated_select_us": repeated, "matching_us": matching, "features_us": features,
+                         "features_first_us": features_cold, "trees_us": trees})
+            print(json.dumps(rows[-1]), flush=True)
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k.endswith("_us") or k == "candidates"}
+    report = {"kernels": len(reg.kernels), "model": {"trees": len(model.trees.roots), "depth": model.trees.depth,
+                                                     "nodes": len(model.trees.feature)},
+              "machine": {"cpu": next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
+                                       if ln.startswith("model name")), "?")},
+              "median": med, "targets_us": {"first_select": 200, "repeated_select": 1}, "rows": rows}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps({k: report[k] for k in ("kernels", "model", "median")}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

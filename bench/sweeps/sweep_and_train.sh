@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# From bundles to shipped models in one command: sweep GEMM and every conv direction, then train.
+#
+#   bash bench/sweeps/sweep_and_train.sh GEMM_BUNDLE CONV_BUNDLE [EXTRA SWEEP OPTIONS...]
+#   e.g. bash bench/sweeps/sweep_and_train.sh build/fp16_rcr_full build/conv_fp16_all_essential --random 400 --budget-s 500
+#
+# Each sweep appends to its store under bench/results/sweeps/ and skips what is stored, so the command can be
+# rerun after a time limit cut it short (--budget-s stops collecting after that long); training reads every store
+# and writes runtime/tiledispatch/models/<backend>_<arch>_<task>.json with its .md card. Suites: bench/suites/
+# gemm.json and conv.json where they exist. Local Dask cluster over the visible GPUs; pass --scheduler ADDR for a
+# running cluster.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+GEMM_BUNDLE=$1
+CONV_BUNDLE=$2
+shift 2
+suite() { [ -f "bench/suites/$1.json" ] && echo "--suite bench/suites/$1.json" || true; }
+python3 bench/sweeps/sweep.py "$GEMM_BUNDLE" gemm $(suite gemm) "$@"
+for direction in fwd bwd_data bwd_weight; do
+  python3 bench/sweeps/sweep.py "$CONV_BUNDLE" conv --direction "$direction" $(suite conv) "$@"
+done
+python3 bench/sweeps/train.py bench/results/sweeps/*.jsonl.gz

@@ -1,0 +1,275 @@
+"""The learned-ranker pipeline on the cpu backend: the sharded sweep (Dask, two local worker processes),
+its resumable store, training per task, the model card, and the runtime ranking conv with the trained model.
+
+The GPU runs the same commands (bench/sweeps/sweep.py, bench/sweeps/train.py) on the cutlass bundles."""
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import REPO, build_cpu_bundle
+from tiledispatch import backends, learned, selection
+from tiledispatch.ops.conv import ConvProblem
+
+sys.path.insert(0, str(REPO / "bench" / "sweeps"))
+import sweep  # noqa: E402
+
+pytest.importorskip("distributed")
+ARCH = backends.get("cpu").detect_arch()
+SET = """\
+schema: 1
+name: sweep_tiny
+description: a few cpu conv and GEMM kernels for the sweep / train tests
+groups:
+  - backend: cpu
+    op: conv
+    direction: [fwd, bwd_data, bwd_weight]
+    spatial_dims: 2
+    dtype: fp32
+    layout: nhwgc
+    mma: [4, 16, 1]
+    configs:
+      - {pipeline: packed, tile: [16, 16, 24]}
+      - {pipeline: packed, tile: [64, 32, 64]}
+      - {pipeline: direct, tile: [8, 32, 8]}
+  - backend: cpu
+    op: gemm
+    dtype: fp32
+    layout: rcr
+    pipeline: packed
+    mma: [4, 16, 1]
+    configs:
+      - {tile: [16, 16, 32]}
+      - {tile: [64, 64, 128]}
+"""
+# a suite as bench/suites/conv.json holds them: problems with the model family they come from
+SUITE = [
+    {"model": "netA", "n": 2, "c": 16, "k": 32, "in_size": [10, 10], "filter_size": [3, 3], "padding": 1},
+    {"model": "netA", "n": 1, "g": 8, "c": 8, "k": 8, "in_size": [12, 12], "filter_size": [3, 3], "stride": 2,
+     "padding": 1},
+    {"model": "netB", "n": 2, "c": 24, "k": 8, "in_size": [6, 6], "filter_size": [1, 1]},
+    {"uses": {"netB2": 1, "netC": 3}, "directions": ["bwd_data", "bwd_weight"], "n": 1, "c": 8, "k": 8,
+     "in_size": [5, 5], "filter": [3, 3]},
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_bundle(tmp_path_factory):
+    build = tmp_path_factory.mktemp("sweep_build")
+    build_cpu_bundle(build, "sweep_tiny", SET)
+    return build / "sweep_tiny"
+
+
+def pairs(store: Path) -> set:
+    return {(r["problem_id"], r["kernel"]) for r in sweep.read_store(store)[1]}
+
+
+def suite_problems(tmp_path, direction="fwd"):
+    path = tmp_path / "conv.json"
+    path.write_text(json.dumps({"schema": 1, "layers": SUITE}))
+    return sweep.load_suite(path, op="conv", direction=direction, dtype="fp32", layout=None)
+
+
+def test_suite_files_and_random_problems(tmp_path):
+    fwd = suite_problems(tmp_path)
+    assert [e["groups"] for e in fwd] == [["neta"], ["neta"], ["netb"]]  # the last entry is for the backward sweeps
+    assert fwd[1]["problem"] == ConvProblem("fwd", 1, 8, 8, 8, (12, 12), (3, 3), (2, 2), (1, 1), (1, 1), (1, 1),
+                                            "fp32", "fp32", "fp32")
+    bwd = suite_problems(tmp_path, "bwd_data")
+    assert [e["problem"].n for e in bwd] == [2, 1, 2, 1] and bwd[3]["groups"] == ["netb", "netc"]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"n": 1, "c": 3, "k": 8, "g": 2, "in_size": [4, 4], "filter_size": [1, 1]}]))
+    with pytest.raises(SystemExit, match="problem 0: .*groups G = 2 do not divide C = 3"):
+        sweep.load_suite(bad, op="conv", direction="fwd", dtype="fp32", layout=None)
+    drawn = sweep.random_problems("conv", 12, 5, direction="bwd_weight", dtype="fp32", layout=None, max_flop=1e8)
+    assert len({str(e["problem"]) for e in drawn}) == 12
+    assert all(e["problem"].direction == "bwd_weight" and e["problem"].flops() <= 1e8 for e in drawn)
+    assert drawn == sweep.random_problems("conv", 12, 5, direction="bwd_weight", dtype="fp32", layout=None,
+                                          max_flop=1e8)
+    gemms = sweep.random_problems("gemm", 8, 1, direction=None, dtype="fp32", layout=None, max_flop=1e8)
+    assert all(e["problem"].n % 8 == 0 and e["problem"].layout == "rcr" for e in gemms)
+
+
+def test_store_drops_a_cut_short_append(tmp_path):
+    store = tmp_path / "s.jsonl.gz"
+    sweep.append_store(store, [{"meta": {"machine_id": "m"}}, {"problem_id": "p", "kernel": "a", "ms": 1.0}])
+    sweep.append_store(store, [{"problem_id": "p", "kernel": "b", "ms": 2.0}])
+    whole = store.read_bytes()
+    store.write_bytes(whole + gzip.compress(b'{"problem_id": "p", "kernel": "c", "ms": 3.0}\n')[:-9])  # a crash
+    metas, rows = sweep.read_store(store)
+    assert metas == [{"machine_id": "m"}] and [r["kernel"] for r in rows] == ["a", "b"]
+
+
+def test_sharded_sweep_resumes_and_matches_one_worker(tiny_bundle, tmp_path):
+    problems = suite_problems(tmp_path) + sweep.random_problems("conv", 3, 2, direction="fwd", dtype="fp32",
+                                                               layout=None, max_flop=2e7)
+    kw = dict(direction="fwd", batch_ms=0.2, repeats=2, log=lambda *_: None)
+    two = sweep.sweep([str(tiny_bundle)], "conv", problems, out_dir=tmp_path / "two", workers=2, **kw)
+    store = Path(two["store"])
+    assert store.name == f"conv_fwd_cpu_{ARCH}.jsonl.gz"
+    metas, rows = sweep.read_store(store)
+    kernels = {r["kernel"] for r in rows}
+    assert len(kernels) == 3 and all("conv2dfwd" in k for k in kernels)
+    assert len(rows) == two["timed"] == 3 * len(problems)
+    timed = [r for r in rows if r["ms"] is not None]
+    # the direct kernel refuses the wide groups (C/G > 8): recorded with its reason, so a rerun skips it too
+    assert all(r["refused"] for r in rows if r["ms"] is None) and len(timed) >= 2 * len(problems)
+    assert all(r["ms"] > 0 and len(r["samples_ms"]) == 2 and r["machine_id"] == metas[0]["machine_id"] for r in timed)
+    assert metas[0]["machine"]["cores"] and metas[0]["op"] == "conv" and metas[0]["toolchain"][0]["identity"]
+    assert {g for r in rows for g in r["groups"]} == {"neta", "netb", "random"}
+    recorded = json.loads((tiny_bundle / "manifest.json").read_text())["selection_models"]
+    assert set(recorded) == {"gemm", "conv_fwd", "conv_bwd_data", "conv_bwd_weight"}
+    assert all((v is None) == (learned.model_for("cpu", ARCH, t) is None) for t, v in recorded.items())
+
+    again = sweep.sweep([str(tiny_bundle)], "conv", problems, out_dir=tmp_path / "two", workers=2, **kw)
+    assert again["timed"] == 0 and again["skipped"] == len(rows)
+    assert len(sweep.read_store(store)[1]) == len(rows)  # nothing appended
+
+    one = sweep.sweep([str(tiny_bundle)], "conv", problems, out_dir=tmp_path / "one", workers=1, **kw)
+    assert pairs(Path(one["store"])) == pairs(store)
+
+
+def _train(tiny_bundle, tmp_path, direction, count=24):
+    import train
+
+    problems = suite_problems(tmp_path, direction) + sweep.random_problems(
+        "conv", count, 7, direction=direction, dtype="fp32", layout=None, max_flop=2e7)
+    sweep.sweep([str(tiny_bundle)], "conv", problems, direction=direction, out_dir=tmp_path / "sweeps", workers=1,
+                batch_ms=0.2, repeats=2, log=lambda *_: None)
+    stores = sorted(str(p) for p in (tmp_path / "sweeps").glob("*.jsonl.gz"))
+    written = train.train(stores, tmp_path / "models", folds=3, rounds=25,
+                          params={**train.PARAMS, "min_child_samples": 3}, log=lambda *_: None)
+    return problems, written
+
+
+def test_train_and_rank_conv_with_the_model(tiny_bundle, tmp_path, monkeypatch):
+    pytest.importorskip("lightgbm")
+    problems, written = _train(tiny_bundle, tmp_path, "bwd_data")
+    assert [p.name for p in written] == [f"cpu_{ARCH}_conv_bwd_data.json"]
+    data = json.loads(written[0].read_text())
+    card = data["trained"]
+    assert data["applies_to"]["direction"] == "bwd_data" and data["features"] == list(learned.CONV_FEATURES)
+    assert card["kernel_count"] == 3 and all("conv2dbwdd" in n for n in card["kernel_names"])
+    kfold = card["validation"]["group_kfold_by_shape"]
+    assert kfold["learned"]["problems"] == card["problems"] and 0 < kfold["learned"]["min"] <= kfold["learned"]["mean"] <= 1
+    families = card["validation"]["leave_one_family_out"]["families"]
+    assert set(families) == {"neta", "netb", "netc", "random"}
+    assert families["netb"]["learned"]["problems"] == 2  # its own layer and the one it shares with netc
+    assert "| group_kfold_by_shape | learned |" in written[0].with_suffix(".md").read_text()
+
+    monkeypatch.setattr(learned, "MODELS_DIR", written[0].parent)
+    learned.model_for.cache_clear()
+    try:
+        reg = __import__("tiledispatch").load(tiny_bundle)
+        model = learned.model_for("cpu", ARCH, "conv_bwd_data")
+        assert model is not None and model.task == "conv_bwd_data" and not model.unseen([k.key for k in reg.kernels])
+        assert learned.model_for("cpu", ARCH, "conv_fwd") is None  # not trained here
+        p = problems[0]["problem"]
+        fits = reg.candidates(p)
+        scores = model.predict(p, [k.key for k in fits])
+        ranked = selection.learned(p, fits)
+        assert [k.name for k in ranked] == [fits[i].name for i in sorted(range(len(fits)),
+                                                                           key=lambda i: (scores[i], fits[i].name))]
+        assert reg.select(p, "learned") is ranked[0]
+        x = learned.features(p, [k.key for k in fits])
+        np.testing.assert_allclose(model.trees.predict(x), -scores)  # a throughput model: higher is better
+        # the bundle recorded that no model ranked it when it was built; now this one does
+        assert reg.selection_models()["conv_bwd_data"] == {
+            "now": {"model": written[0].name, "version": model.version, "covers": 3, "unseen": []},
+            "built_with": None}
+
+        # select --explain: the model's top kernels with predicted times, and measured ones once tuned here
+        monkeypatch.setenv("TD_TUNING_CACHE", str(tmp_path / "tuning.json"))
+        args = ["select", str(tiny_bundle), "conv", "--direction", "bwd_data", "--dtype", "fp32", "--n", str(p.n),
+                "--c", str(p.c), "--k", str(p.k), "--groups", str(p.g), "--in", *map(str, p.in_size),
+                "--filter", *map(str, p.filter_size), "--stride", *map(str, p.stride),
+                "--padding", *map(str, p.pad_lo), "--explain", "--top", "2"]
+        explain = _cli(args)["explain"]
+        assert explain["model"]["version"] == model.version and explain["model"]["file"] == written[0].name
+        assert [row["kernel"] for row in explain["top"]] == [k.name for k in ranked[:2]]
+        assert all(row["predicted_ms"] > 0 and row["measured_ms"] is None for row in explain["top"])
+        assert explain["tuned"] is None and explain["unseen_in_training"] == []
+        tuned_reg = __import__("tiledispatch").load(tiny_bundle)
+        tuned_reg.tune(p, {"x": np.ones(p.shapes()["x"], np.float32), "w": np.ones(p.shapes()["w"], np.float32),
+                           "y": np.ones(p.shapes()["y"], np.float32)})
+        explain = _cli(args)["explain"]
+        assert explain["tuned"]["kernel"] in {k.name for k in fits}
+        assert all(row["measured_ms"] > 0 for row in explain["top"])
+    finally:
+        learned.model_for.cache_clear()
+
+
+def _cli(args) -> dict:
+    import contextlib
+    import io
+
+    from tiledispatch import cli
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(args) == 0
+    return json.loads(out.getvalue())
+
+
+def test_cost_terms_equal_estimated_cost():
+    """The vectorised cost model (selection.cost_terms, which the features read) is estimated_cost's, for every
+    kernel of the preselected sets on every backend and arch."""
+    from tiledispatch.generator import kernelset
+    from tiledispatch.ops.gemm import GemmProblem
+
+    conv_problems = [ConvProblem(d, 2, g, 64 * g if g < 32 else g, 32 * g if g < 32 else g, (28, 28), (3, 3),
+                                 (s, s), (1, 1), (1, 1), (1, 1), "fp16", "fp16", "fp16")
+                     for d in ("fwd", "bwd_data", "bwd_weight") for g in (1, 4, 64) for s in (1, 2)]
+    checked = 0
+    for backend in backends.names():
+        for arch in backends.get(backend).archs:
+            for name in kernelset.available_sets():
+                try:
+                    keys = [e.key for e in kernelset.load([name], backend, arch)]
+                except Exception:  # a set with nothing for this backend / arch
+                    continue
+                for dtype in {k.signature.dtype_a for k in keys}:
+                    problems = [GemmProblem(m, 4096, 4096, dtype, dtype, dtype, "rcr") for m in (1, 77, 4096)]
+                    for p in problems + conv_problems:
+                        mine = [k for k in keys if p.mismatch(k) is None]
+                        if mine:
+                            expect = [selection.estimated_cost(p, k) for k in mine]
+                            assert list(selection.cost_terms(p, mine)["cost"]) == expect, (backend, arch, name, p)
+                            checked += len(mine)
+    assert checked > 200
+
+
+def test_train_a_gemm_model_on_the_shipped_features(tiny_bundle, tmp_path, monkeypatch):
+    """GEMM goes through the same commands and keeps its features (those of the shipped cutlass model)."""
+    pytest.importorskip("lightgbm")
+    import train
+
+    problems = sweep.random_problems("gemm", 16, 3, direction=None, dtype="fp32", layout=None, max_flop=2e7)
+    sweep.sweep([str(tiny_bundle)], "gemm", problems, out_dir=tmp_path / "sweeps", workers=1, batch_ms=0.2,
+                repeats=2, log=lambda *_: None)
+    written = train.train([str(p) for p in (tmp_path / "sweeps").glob("*.jsonl.gz")], tmp_path / "models",
+                          target="ratio", folds=3, rounds=15, params={**train.PARAMS, "min_child_samples": 3},
+                          log=lambda *_: None)
+    assert [p.name for p in written] == [f"cpu_{ARCH}_gemm.json"]
+    data = json.loads(written[0].read_text())
+    assert data["features"] == list(learned.GEMM_FEATURES) and data["target"].startswith("ratio")
+    monkeypatch.setattr(learned, "MODELS_DIR", written[0].parent)
+    learned.model_for.cache_clear()
+    try:
+        reg = __import__("tiledispatch").load(tiny_bundle)
+        p = problems[0]["problem"]
+        fits = reg.candidates(p)
+        model = learned.model_for("cpu", ARCH, "gemm")
+        predicted, unit = model.predicted_times(p, [k.key for k in fits])
+        assert unit == "x_best" and (predicted > 0).all()
+        scores = model.predict(p, [k.key for k in fits])  # minus the predicted ratio to the best
+        np.testing.assert_allclose(scores, -1 / predicted, rtol=1e-9)
+        best = min(range(len(fits)), key=lambda i: (scores[i], fits[i].name))
+        assert selection.learned(p, fits)[0] is fits[best]
+    finally:
+        learned.model_for.cache_clear()
