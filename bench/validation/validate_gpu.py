@@ -83,7 +83,7 @@ def check_kernel(kern, gen, stream) -> list[dict]:
     problem, ops = operands(a, b, d, None, bias, res, epi.activation)
     args = launcher.args(problem, ops, stream, alpha=ALPHA, clamp=(LOW, HIGH))
     status, reason = kern.library.can_run(args)
-    expect_refused = backends.family_of(key).refusal(problem, key) is not None
+    expect_refused = backends.family_of(key).module.refusal(problem, key) is not None
     entry = {"kernel": kern.name, "m": m, "n": n, "k": k, "batch": 1,
              "expect": "unsupported" if expect_refused else "runs", "status": status, "reason": reason}
     if expect_refused or status != abi.OK:
