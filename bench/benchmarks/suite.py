@@ -431,6 +431,7 @@ def write_report(paths: list[Path], out: Path, info: dict) -> dict:
     rows = merged_rows(paths)
     summary = summarize(rows)
     result = {**info, "summary": summary, "rows": rows}
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     title = f"{info.get('suite', '')} suite, {info.get('machine', {}).get('gpu') or 'cpu'}"
     out.with_suffix(".md").write_text(markdown(summary, title))

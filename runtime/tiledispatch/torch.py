@@ -461,20 +461,8 @@ def _conv_fwd_epilogue_run(x, w, bias, residuals, activation: str, clamp: tuple,
 
 
 def _activate_(y: torch.Tensor, activation: str, clamp: tuple) -> torch.Tensor:
-    """y with the activation applied in place (the float64 reference's definitions: reference.ACTIVATIONS)."""
-    if activation == "identity":
-        return y
-    if activation == "relu":
-        return y.relu_()
-    if activation == "clamp":
-        return y.clamp_(clamp[0], clamp[1])
-    if activation == "sigmoid":
-        return y.sigmoid_()
-    if activation == "tanh":
-        return y.tanh_()
-    if activation in ("gelu_tanh", "gelu_erf"):
-        return torch.ops.aten.gelu_(y, approximate="tanh" if activation == "gelu_tanh" else "none")
-    return torch.ops.aten.silu_(y)
+    """y with the activation applied in place."""
+    return _activation_ops(activation)[1](y, clamp)
 
 
 _CONV_ROUTES: dict = {}  # (handle, dtype, shapes, geometry, epilogue) -> "conv", "gemm" or None (see below)
@@ -656,21 +644,35 @@ def _conv_bwd_weight(x, dy, filter_size, stride, dilation, pad_lo, pad_hi, group
 
 
 # -- autograd ----------------------------------------------------------------------------------------------
+# Each activation in torch, as reference.ACTIVATIONS defines it: name -> (out of place and differentiable, in place,
+# the derivative: dL/d(pre-activation) from dL/d(out) g, the output and, for those in _NEEDS_PRE, the
+# pre-activation). tests/integration/test_torch_integration.py checks each against the float64 reference.
+TORCH_ACTIVATIONS = {
+    "identity": (lambda y, c: y, lambda y, c: y, lambda g, out, pre, c: g),
+    "relu": (lambda y, c: torch.relu(y), lambda y, c: y.relu_(), lambda g, out, pre, c: g * (out > 0)),
+    "clamp": (lambda y, c: torch.clamp(y, c[0], c[1]), lambda y, c: y.clamp_(c[0], c[1]),
+              lambda g, out, pre, c: g * ((out > c[0]) & (out < c[1]))),
+    "sigmoid": (lambda y, c: torch.sigmoid(y), lambda y, c: y.sigmoid_(), lambda g, out, pre, c: g * out * (1 - out)),
+    "tanh": (lambda y, c: torch.tanh(y), lambda y, c: y.tanh_(), lambda g, out, pre, c: g * (1 - out * out)),
+    "gelu_tanh": (lambda y, c: F.gelu(y, approximate="tanh"), lambda y, c: torch.ops.aten.gelu_(y, approximate="tanh"),
+                  lambda g, out, pre, c: torch.ops.aten.gelu_backward(g, pre, approximate="tanh")),
+    "gelu_erf": (lambda y, c: F.gelu(y), lambda y, c: torch.ops.aten.gelu_(y),
+                 lambda g, out, pre, c: torch.ops.aten.gelu_backward(g, pre)),
+    "silu": (lambda y, c: F.silu(y), lambda y, c: torch.ops.aten.silu_(y),
+             lambda g, out, pre, c: torch.ops.aten.silu_backward(g, pre)),
+}
+
+
+def _activation_ops(activation: str):
+    entry = TORCH_ACTIVATIONS.get(activation)
+    if entry is None:
+        raise NotImplementedError(f"tiledispatch.torch: activation {activation!r} has no entry in TORCH_ACTIVATIONS")
+    return entry
+
+
 def _activation_grad(g, out, pre, activation: str, clamp: tuple):
     """dL/d(pre-activation) from dL/d(out); pre is None for the activations whose derivative the output gives."""
-    if activation == "identity":
-        return g
-    if activation == "relu":
-        return g * (out > 0)
-    if activation == "clamp":
-        return g * ((out > clamp[0]) & (out < clamp[1]))
-    if activation == "sigmoid":
-        return g * out * (1 - out)
-    if activation == "tanh":
-        return g * (1 - out * out)
-    if activation in ("gelu_tanh", "gelu_erf"):
-        return torch.ops.aten.gelu_backward(g, pre, approximate="tanh" if activation == "gelu_tanh" else "none")
-    return torch.ops.aten.silu_backward(g, pre)
+    return _activation_ops(activation)[2](g, out, pre, clamp)
 
 
 _NEEDS_PRE = ("gelu_tanh", "gelu_erf", "silu")

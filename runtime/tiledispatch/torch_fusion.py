@@ -43,19 +43,7 @@ _BATCH_NORMS = {nn.BatchNorm1d: 1, nn.BatchNorm2d: 2, nn.BatchNorm3d: 3}
 # -- fused modules -----------------------------------------------------------------------------------------
 def _torch_activation(y: torch.Tensor, activation: str, clamp: tuple) -> torch.Tensor:
     """The activation by torch (out of place, differentiable): where a residual is added by torch."""
-    if activation == "identity":
-        return y
-    if activation == "relu":
-        return torch.relu(y)
-    if activation == "clamp":
-        return torch.clamp(y, clamp[0], clamp[1])
-    if activation == "sigmoid":
-        return torch.sigmoid(y)
-    if activation == "tanh":
-        return torch.tanh(y)
-    if activation in ("gelu_tanh", "gelu_erf"):
-        return F.gelu(y, approximate="tanh" if activation == "gelu_tanh" else "none")
-    return F.silu(y)
+    return tdt._activation_ops(activation)[0](y, clamp)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

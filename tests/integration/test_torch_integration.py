@@ -631,3 +631,26 @@ def test_bench_models_runs_on_the_cpu(reg, tmp_path):
     assert result["host_overhead"]["tiledispatch.torch.linear"]["median_us"] > 0
     assert set(result["host_overhead"]["registration"]) == {"python function", "Library define + impl",
                                                             "torch.library.custom_op"}
+
+
+@pytest.mark.parametrize("activation", list(td.reference.ACTIVATIONS))
+def test_every_activation_has_its_torch_forms(activation):
+    """tdt's torch forms of each activation (out of place, in place, and autograd's derivative from the saved
+    output or the pre-activation) against the float64 reference and its central difference: a new activation
+    without them fails here."""
+    import numpy as np
+    from tiledispatch.torch import _NEEDS_PRE, TORCH_ACTIVATIONS, _activation_grad
+
+    assert activation in TORCH_ACTIVATIONS
+    out_of_place, in_place, _ = TORCH_ACTIVATIONS[activation]
+    clamp, h = (-0.5, 0.75), 1e-6
+    f = td.reference.ACTIVATIONS[activation]
+    pre = np.random.default_rng(7).uniform(-3, 3, 257)
+    g = np.random.default_rng(8).uniform(0.5, 1.5, 257)
+    ref = np.asarray(f(pre, *clamp), dtype=np.float64)
+    assert np.allclose(out_of_place(torch.from_numpy(pre), clamp).numpy(), ref, rtol=1e-12, atol=1e-12)
+    assert np.allclose(in_place(torch.from_numpy(pre.copy()), clamp).numpy(), ref, rtol=1e-12, atol=1e-12)
+    expected = g * (f(pre + h, *clamp) - f(pre - h, *clamp)) / (2 * h)
+    got = _activation_grad(torch.from_numpy(g), torch.from_numpy(ref),
+                           torch.from_numpy(pre) if activation in _NEEDS_PRE else None, activation, clamp)
+    assert np.allclose(got.numpy(), expected, rtol=1e-5, atol=1e-6), activation

@@ -11,6 +11,7 @@
 
 #include "tiledispatch_abi.h"
 #include "tiledispatch_export.h"
+#include "tiledispatch_activation.h"
 
 // Writes the printf-formatted reason (when the caller gave a buffer) and returns status.
 static inline int32_t fail(char* reason, uint64_t n, int32_t status, const char* fmt, ...)

@@ -8,8 +8,7 @@ def claims(key) -> bool:
 
 
 def templates(key) -> list[str]:
-    return ["gemm.cpp.j2", "_microkernel.j2", "_epilogue.j2",
-            f"activation/{key.signature.epilogue.activation}.j2"]
+    return ["gemm.cpp.j2", "_microkernel.j2", "_epilogue.j2"]
 
 
 context = common.context
