@@ -49,9 +49,9 @@ def test_build_incremental_and_cached(repo):
     second = build(repo)
     assert summary(second)["compiled"] == 0 and summary(second)["up_to_date"] == 3
 
-    # a code change in one activation template rebuilds exactly the kernels that use it
-    relu = repo / "templates" / "cpu" / "gemm" / "activation" / "relu.j2"
-    relu.write_text(relu.read_text().replace("v > Cmp(0) ? v : Cmp(0)", "v >= Cmp(0) ? v : Cmp(0)"))
+    # a code change in one activation rebuilds exactly the kernels that use it
+    relu = repo / "runtime" / "tiledispatch" / "include" / "activations" / "relu.h"
+    relu.write_text(relu.read_text().replace("v > T(0) ? v : T(0)", "v >= T(0) ? v : T(0)"))
     third = build(repo)
     assert summary(third)["compiled"] == 1
     assert all("_relu_" in n for n in compiled_names(third))
@@ -81,7 +81,7 @@ def test_compiler_flags_enter_the_build_identity(repo):
 
 
 def test_failing_config_names_itself(repo):
-    gemm = repo / "templates" / "cpu" / "gemm" / "activation" / "silu.j2"
+    gemm = repo / "runtime" / "tiledispatch" / "include" / "activations" / "silu.h"
     gemm.write_text("this is not C++\n")
     proc = build(repo, "build", "cache", "-k", check=False)
     assert proc.returncode != 0

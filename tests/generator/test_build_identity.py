@@ -54,12 +54,12 @@ def expected(rel: str, names: list[str]) -> set[str]:
     if parts[0] == "templates":
         if len(parts) > 2 and parts[1] != "cpu":
             return set()                                        # another backend's folder
-        if len(parts) > 3:                                      # a family folder (and its activation/ partials)
-            if parts[3] == "activation":
-                return {n for n in names if family(n) == "gemm" and f"_{parts[4][:-3]}_" in n}
+        if len(parts) > 3:                                      # a family folder
             return {n for n in names if family(n) == parts[2]}
         if parts[-1] == "_conv_common.j2":                      # a partial of the conv families only
             return {n for n in names if n.startswith("conv")}
+    if parts[-2] == "activations":                              # one activation: the kernels applying it
+        return {n for n in names if parse_kernel_name(n).signature.epilogue.activation == parts[-1][:-2]}
     return set(names)                                           # backend-wide and generator files
 
 
@@ -77,10 +77,13 @@ def _build(repo: Path) -> tuple[set[str], set[str]]:
     return {n for n, s in after.items() if before.get(n) != s}, compiled_names(proc)
 
 
-def _edit(path: Path) -> None:
-    """A change of content that changes no rendered text and no compiled code: a comment in the file's language."""
+def _edit(path: Path, rendered: bool = False) -> None:
+    """A change of content that changes no rendered text and no compiled code: a comment in the file's language
+    (Jinja's for a file the rendering reads, such as an activation's header)."""
     comment = {".py": "# edited\n", ".yaml": "# edited\n", ".j2": "{# edited #}\n", ".h": "// edited\n",
                ".cuh": "// edited\n"}[path.suffix]
+    if rendered and path.suffix in (".h", ".cuh"):
+        comment = "{# edited #}\n"
     path.write_text(path.read_text() + comment)
 
 
@@ -253,7 +256,7 @@ def test_editing_each_input_rebuilds_exactly_its_dependents(repo):
     render, compile_ = _inputs(keys)
     _build(repo)
     for rel in sorted(set(render) | set(compile_)):
-        _edit(repo / rel)
+        _edit(repo / rel, rendered=rel in render)
         rendered, compiled = _build(repo)
         if rel in render:
             assert rendered == render[rel] == expected(rel, names), rel

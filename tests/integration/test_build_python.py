@@ -131,7 +131,7 @@ def test_illegal_declaration_fails_with_the_rule_named(tmp_path):
 
 def test_failing_kernel_names_itself_and_its_compiler_output(tmp_path):
     root = copy_repo(tmp_path / "repo")
-    relu = root / "templates" / "cpu" / "gemm" / "activation" / "relu.j2"
+    relu = root / "runtime" / "tiledispatch" / "include" / "activations" / "relu.h"
     relu.write_text(relu.read_text() + "\nthis is not C++;\n")
     program = (
         "import sys, tiledispatch as td\n"

@@ -45,11 +45,21 @@ def include_dirs(key: KernelKey, root: Path = TEMPLATES_ROOT) -> list[Path]:
     return [abi.INCLUDE_DIR, *template_dirs(key, root)]
 
 
+def declared_templates(key: KernelKey) -> list[str]:
+    """What the key's source may be rendered from: its family's templates (main template first), then its
+    activation's file, which every backend's epilogue includes by the key's activation name."""
+    return [*backends.family_of(key).templates(key), f"activations/{key.signature.epilogue.activation}.h"]
+
+
+def _search_dirs(key: KernelKey, root: Path) -> list[Path]:
+    return [*template_dirs(key, root), abi.INCLUDE_DIR]
+
+
 def template_files(key: KernelKey, root: Path = TEMPLATES_ROOT) -> list[Path]:
     """The template files the key's source is rendered from (its build dependencies), main template first."""
-    dirs = template_dirs(key, root)
+    dirs = _search_dirs(key, root)
     out = []
-    for name in backends.family_of(key).templates(key):
+    for name in declared_templates(key):
         found = next((d / name for d in dirs if (d / name).is_file()), None)
         if found is None:
             raise RuntimeError(f"{key.name}: template {name} is in none of {', '.join(map(str, dirs))}")
@@ -62,8 +72,8 @@ def render(key: KernelKey, root: Path = TEMPLATES_ROOT) -> str:
     if violations:
         raise ValueError(f"{key.name}: illegal configuration: " + "; ".join(map(str, violations)))
     family = backends.family_of(key)
-    declared = family.templates(key)
-    loader = _RecordingLoader(template_dirs(key, root))
+    declared = declared_templates(key)
+    loader = _RecordingLoader(_search_dirs(key, root))
     env = jinja2.Environment(loader=loader, undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                              trim_blocks=True, lstrip_blocks=True, autoescape=False)
     sig, alg = key.signature, key.algorithm

@@ -7,9 +7,11 @@ split_k 1, cluster [1, 1, 1].
 
 Extra cutlass.align 1: the generic kernel (DESIGN.md invariant 10): any channel count, pointer and stride. The
 reduction's channels per group are padded to chunks of 8 (zeros past the group's end), chunks are loaded element by
-element (no cp.async) and outputs stored element by element; the ranker puts it last (cost_factor). Its strided
-bwd_data walks the input pixels phase by phase (stride phases): a tile inside one phase skips the taps that reach
-none of its pixels (3 of 4 at stride 2 in 2D, 4 of 5 at stride 5 in 1D)."""
+element (no cp.async) and outputs stored element by element; the ranker puts it last (cost_factor).
+
+A strided bwd_data (every kernel of the family) walks the input pixels phase by phase (stride phases): a tile inside
+one phase skips the taps that reach none of its pixels (3 of 4 at stride 2 in 2D, 4 of 5 at stride 5 in 1D; all of
+them in the phases a 1x1 filter never reaches, whose tiles only write alpha * 0 + beta * old)."""
 import math
 
 from .. import common

@@ -1,0 +1,3 @@
+// gelu, exact form: 0.5 v (1 + erf(v / sqrt(2)))
+template <class T>
+TD_ACTIVATION_FN T td_activate(T v, T, T) { return T(0.5) * v * (T(1) + td_act::erf_of(v * T(0.7071067811865476))); }

@@ -1,0 +1,3 @@
+// sigmoid: 1 / (1 + exp(-v))
+template <class T>
+TD_ACTIVATION_FN T td_activate(T v, T, T) { return T(1) / (T(1) + td_act::exp_of(-v)); }
