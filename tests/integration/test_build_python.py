@@ -265,7 +265,7 @@ def test_jit_refuses_what_no_legal_kernel_computes(tmp_path):
     with pytest.raises(td.UnsupportedProblemError, match="no kernel can run"):
         reg.select(problem)
     with pytest.raises(td.UnsupportedProblemError, match="sm90a kernel"):
-        reg.kernel(reg.kernels[0].name.replace("cpu_x86v4", "cutlass_sm90a"))
+        reg.kernel(reg.kernels[0].name.replace(f"cpu_{ARCH}", "cutlass_sm90a"))
     with pytest.raises(td.InvalidInputError, match="unknown no_such_option"):
         td.load(tmp_path / "fp32_rcr_essential", jit={"no_such_option": 1})
 
