@@ -58,7 +58,7 @@ def expected(rel: str, names: list[str]) -> set[str]:
             return {n for n in names if family(n) == parts[2]}
         if parts[-1] == "_conv_common.j2":                      # a partial of the conv families only
             return {n for n in names if n.startswith("conv")}
-    if parts[-2] == "activations":                              # one activation: the kernels applying it
+    if parts[-2] == "activations" and parts[-1].endswith(".h"):  # one activation: the kernels applying it
         return {n for n in names if parse_kernel_name(n).signature.epilogue.activation == parts[-1][:-2]}
     return set(names)                                           # backend-wide and generator files
 

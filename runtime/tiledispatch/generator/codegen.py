@@ -47,8 +47,10 @@ def include_dirs(key: KernelKey, root: Path = TEMPLATES_ROOT) -> list[Path]:
 
 def declared_templates(key: KernelKey) -> list[str]:
     """What the key's source may be rendered from: its family's templates (main template first), then its
-    activation's file, which every backend's epilogue includes by the key's activation name."""
-    return [*backends.family_of(key).templates(key), f"activations/{key.signature.epilogue.activation}.h"]
+    activation's file, which every backend's epilogue includes by the key's activation name (through
+    activations/_activate.j2)."""
+    return [*backends.family_of(key).templates(key), "activations/_activate.j2",
+            f"activations/{key.signature.epilogue.activation}.h"]
 
 
 def _search_dirs(key: KernelKey, root: Path) -> list[Path]:
