@@ -23,7 +23,8 @@ Paths of each problem (those that apply):
                 the bundle by tiledispatch.torch.patch, called on the same input
   torch_*       PyTorch on the same tensors: torch.mm(out=) and F.linear; F.conv1d/2d/3d and
                 aten.convolution_backward (what autograd runs for the input / weight gradients), with
-                torch.backends.cudnn.benchmark on
+                torch.backends.cudnn.benchmark on; torch_linear_module / torch_conv_module: the patched
+                layer's twin left on PyTorch (what patched_* compare with: both pay nn.Module's call)
 
 On the cpu backend the kernels run on the calling thread (num_threads=1 for ours, torch.set_num_threads(1)
 for torch), so the problems are tiny and the time includes the (small) computation: there the numbers say
@@ -33,6 +34,7 @@ to DIR/host_overhead_<tag>.json (tag: "h100"-style from the GPU's name; "cpu_dia
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -198,6 +200,7 @@ def gemm_paths(reg, tensors: Tensors, m: int, n: int, k: int, dtype: str, opts: 
     b_t = bt_t.t()
     linear = torch.nn.Linear(k, n, bias=False, device=a_t.device, dtype=a_t.dtype).requires_grad_(False)
     linear.weight.copy_(bt_t)
+    torch_linear_module = copy.deepcopy(linear)  # the same layer left on PyTorch: the module call's own cost
     tdt.patch(linear, reg)
     paths = {
         "raw_c_call": (raw, None),
@@ -209,6 +212,7 @@ def gemm_paths(reg, tensors: Tensors, m: int, n: int, k: int, dtype: str, opts: 
         "patched_linear": (lambda: linear(a_t), None),
         "torch_mm_out": (lambda: torch.mm(a_t, b_t, out=d_t), None),
         "torch_linear": (lambda: F.linear(a_t, bt_t), None),
+        "torch_linear_module": (lambda: torch_linear_module(a_t), None),
     }
     if tensors.device == "cuda":
         stream = torch.cuda.current_stream().cuda_stream
@@ -257,10 +261,12 @@ def conv_paths(reg, tensors: Tensors, spec, dtype: str, opts: dict) -> tuple[dic
         layer = getattr(torch.nn, f"Conv{rank}d")(c, k, filt, stride=stride, padding=padding, groups=g, bias=False,
                                                  device=x_t.device, dtype=x_t.dtype).requires_grad_(False)
         layer.weight = torch.nn.Parameter(w_t, requires_grad=False)  # w_t's channels-last memory, used in place
+        torch_layer = copy.deepcopy(layer)
         tdt.patch(layer, reg)
         paths["tdt_conv"] = (lambda: tdt.conv(x_t, w_t, registry=reg, stride=stride, padding=padding, groups=g), None)
         paths["patched_conv"] = (lambda: layer(x_t), None)
         paths["torch_conv"] = (lambda: conv_nd(x_t, w_t, stride=stride, padding=padding, groups=g), None)
+        paths["torch_conv_module"] = (lambda: torch_layer(x_t), None)
     else:
         mask = [direction == "bwd_data", direction == "bwd_weight", False]
         paths["torch_convolution_backward"] = (lambda: torch.ops.aten.convolution_backward(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import numbers
+import threading
 from collections import OrderedDict
 from typing import Any, Callable, Optional
 
@@ -308,6 +309,16 @@ class Launcher:
         self.plan.launch_pointers(ptrs if self.pick is None else self.pick(ptrs + (None,)))
 
 
+# The Launcher of the calling thread's last public call (the cached one it reused, or the one it prepared): the
+# torch layer keeps it under its own, cheaper key for calls whose tensors it passes on unchanged (torch.py, "the
+# eager fast path")
+_CALLS = threading.local()
+
+
+def last_launcher() -> Optional[Launcher]:
+    return getattr(_CALLS, "launcher", None)
+
+
 class BoundedCache:
     """A mapping of at most `size` entries that drops the least recently used first, with hit / miss counts.
     Safe to share between threads (a concurrent eviction is a miss, never an error)."""
@@ -315,6 +326,7 @@ class BoundedCache:
     def __init__(self, size: int):
         self.size, self.hits, self.misses = size, 0, 0
         self._entries: OrderedDict = OrderedDict()
+        self.peek = self._entries.get  # a lookup that neither counts nor marks the entry as used (one C call)
 
     def get(self, key):
         value = self._entries.get(key)

@@ -19,7 +19,7 @@ from .ops import get as ops_get
 from .ops import conv as conv_op
 from .ops.conv import ConvProblem
 from .ops.gemm import GemmProblem, clamp_pair
-from .plan import BoundedCache, Launcher, Plan, bind, fingerprint, printer_of_type, raise_for_status, stream_now
+from .plan import _CALLS, BoundedCache, Launcher, Plan, bind, fingerprint, printer_of_type, raise_for_status, stream_now
 from .errors import BundleError, InvalidInputError, UnsupportedProblemError
 from .spec.key import KernelKey
 
@@ -352,6 +352,7 @@ class Registry:
             except Exception:  # an argument that cannot be fingerprinted or hashed: the full checks below say
                 key = launcher = None  # what is wrong with it
             if launcher is not None:
+                _CALLS.launcher = launcher
                 try:
                     launcher(ptrs, alpha, beta)
                 except BaseException:  # e.g. an overlap of the new pointers: the next call checks everything
@@ -371,8 +372,9 @@ class Registry:
         self._check_device(operands)
         plan = self._launch(problem, operands, kernel=kernel, stream=stream, num_threads=num_threads, alpha=alpha,
                             beta=beta, clamp=clamp)
+        launcher = _CALLS.launcher = Launcher(plan, given_alpha, given_beta)
         if key is not None:
-            self._launches.put(key, Launcher(plan, given_alpha, given_beta))
+            self._launches.put(key, launcher)
         return operands.out
 
     def _gemm_from_host(self, a, b, out, *, c, bias, residuals, **options):

@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import threading
 import types
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
@@ -58,6 +59,7 @@ from .ops import conv as conv_op
 from .ops import conv_as_gemm
 from .ops.conv import ConvProblem
 from .ops.gemm import GemmProblem
+from .plan import _torch_print, last_launcher
 from .registry import NO_CLAMP, Registry
 from .spec.key import ACTIVATIONS, Epilogue
 
@@ -264,7 +266,10 @@ def _gemm_impl(a, b, bias, residuals, activation, clamp_low, clamp_high, registr
     if route.fold:  # D = act(A @ B + 1 * C) with C = bias + residuals, written into D first (C may alias D)
         _fill_with_sum(out, bias, residuals)
         return reg.gemm(a, b, out, c=out, beta=1.0, activation=activation, clamp=clamp)
-    return reg.gemm(a, b, out, bias=bias, residuals=residuals, activation=activation, clamp=clamp)
+    reg.gemm(a, b, out, bias=bias, residuals=residuals, activation=activation, clamp=clamp)
+    if not (route.copy_a or route.copy_b):
+        _mark_direct(_gemm_pointers)
+    return out
 
 
 def _fill_with_sum(out: torch.Tensor, bias: Optional[torch.Tensor], residuals: Sequence[torch.Tensor]) -> None:
@@ -413,9 +418,12 @@ def _conv_fwd_run(x, w, geo: _Geometry, handle: int):
     if w.dtype != x.dtype:
         _check_conv_dtypes(("x", x), ("w", w))
     reg = _registry_for(handle, x)
-    x, w = _channels_last(x), _channels_last(w)
-    y = _new_channels_last(geo.fwd_shape(x, w), x)
-    return conv_op.run(reg, "fwd", x, w, y, y, geo.options[0.0], geo.keys[0.0])
+    xc, wc = _channels_last(x), _channels_last(w)
+    y = _new_channels_last(geo.fwd_shape(xc, wc), xc)
+    conv_op.run(reg, "fwd", xc, wc, y, y, geo.options[0.0], geo.keys[0.0])
+    if xc is x and wc is w:
+        _mark_direct(_conv_pointers)
+    return y
 
 
 def _conv_fwd_epilogue_run(x, w, bias, residuals, activation: str, clamp: tuple, geo: _Geometry, handle: int):
@@ -429,7 +437,9 @@ def _conv_fwd_epilogue_run(x, w, bias, residuals, activation: str, clamp: tuple,
             raise InvalidInputError(f"conv: {role} has dtype {t.dtype}, x has {dtype}")
     if activation not in ACTIVATIONS:
         raise InvalidInputError(f"unknown activation {activation!r} (known: {', '.join(ACTIVATIONS)})")
-    x, w = _channels_last(x), _channels_last(w)
+    xc, wc = _channels_last(x), _channels_last(w)
+    in_place = xc is x and wc is w and all(_channels_last(r) is r for r in residuals)  # the caller's memory, as given
+    x, w = xc, wc
     shape = geo.fwd_shape(x, w)
     if bias is not None and bias.shape != (w.shape[0],):
         raise InvalidInputError(f"conv bias has shape {list(bias.shape)}, expected [{w.shape[0]}]")
@@ -441,10 +451,13 @@ def _conv_fwd_epilogue_run(x, w, bias, residuals, activation: str, clamp: tuple,
     y = _new_channels_last(shape, x)
     route = _conv_route(handle, x, w, geo, activation, bias is not None, len(residuals))
     if route == "conv":
-        return reg.conv_fwd(x, w, y, **geo.options[0.0], bias=bias, residuals=tuple(map(_channels_last, residuals)),
-                            activation=activation, **({"clamp": clamp} if activation == "clamp" else {}))
+        reg.conv_fwd(x, w, y, **geo.options[0.0], bias=bias, residuals=tuple(map(_channels_last, residuals)),
+                     activation=activation, **({"clamp": clamp} if activation == "clamp" else {}))
+        if in_place:
+            _mark_direct(_conv_epilogue_pointers)
+        return y
     if route == "gemm":
-        return _pointwise_gemm(reg, handle, x, w, bias, residuals, activation, clamp, y)
+        return _pointwise_gemm(reg, handle, x, w, bias, residuals, activation, clamp, y, in_place)
     if bias is None and not residuals:
         conv_op.run(reg, "fwd", x, w, y, y, geo.options[0.0], geo.keys[0.0])
     else:  # y = conv + 1 * y, y holding bias + residuals first: the adds happen in the kernel's epilogue
@@ -501,10 +514,11 @@ def _conv_route(handle: int, x, w, geo: _Geometry, activation: str, bias: bool, 
     return route
 
 
-def _pointwise_gemm(reg, handle: int, x, w, bias, residuals, activation: str, clamp: tuple, y):
+def _pointwise_gemm(reg, handle: int, x, w, bias, residuals, activation: str, clamp: tuple, y, in_place: bool):
     """y = act(x @ w^T + bias + sum(residuals)) over the pixels of a pointwise conv: channels-last x, y and
     residuals are [pixels, channels] row-major matrices and a channels-last weight [K, C, 1...] a column-major
-    [C, K] one, all views (the GEMM path of _gemm_impl on them)."""
+    [C, K] one, all views (the GEMM path of _gemm_impl on them). in_place: x, w and the residuals are the
+    caller's own tensors (not channels-last copies)."""
     k, c = w.shape[0], w.shape[1]
     a = x.movedim(1, -1).reshape(-1, c)
     b = w.reshape(k, c).t()
@@ -521,6 +535,8 @@ def _pointwise_gemm(reg, handle: int, x, w, bias, residuals, activation: str, cl
         reg.gemm(a, b, out, c=out, beta=1.0, activation=activation, clamp=clamp)
     else:
         reg.gemm(a, b, out, bias=bias, residuals=res, activation=activation, clamp=clamp)
+        if in_place and not (route.copy_a or route.copy_b):
+            _mark_direct(_gemm_pointers)
     return y
 
 
@@ -765,6 +781,94 @@ def _autocast(tensors: tuple) -> tuple:
                  for t in tensors)
 
 
+# -- the eager fast path -------------------------------------------------------------------------------------
+# A repeated eager call (nothing tracing, no autocast, no gradient to record) whose tensors the implementation
+# handed to the registry as they are (no layout copy, no torch op before or after the kernel) is remembered in the
+# launching registry's launch cache under this layer's own key: the tensors' fingerprints and the options. A later
+# call with that key allocates its output and launches the registry's prepared Launcher on the new pointers, one
+# lookup instead of the routing, the views and the registry's fingerprints of those views (README, "Repeated
+# calls"). The key holds the thread (a Launcher's arguments are rewritten per launch); the registry is the view of
+# the current stream; clear_caches() forgets these entries with the registry's own.
+_DIRECT = threading.local()  # .launch: (Launcher, pointer order) of the kernel the implementation just launched on
+# the caller's own tensors, set only where it did (_mark_direct), read by the caller that remembers the call
+_thread_id = threading.get_ident
+
+
+def _mark_direct(pointers) -> None:
+    _DIRECT.launch = (last_launcher(), pointers)
+
+
+# the order of a Launcher's pointers, from the call's (x or a, w or b, output, bias, residuals)
+def _gemm_pointers(a, b, out, bias, residuals) -> tuple:  # Registry.gemm's: a, b, c, out, bias, residuals
+    return (a, b, None, out, bias, *residuals)
+
+
+def _conv_pointers(x, w, y, bias, residuals) -> tuple:  # conv_op.run's without an epilogue
+    return (x, w, y)
+
+
+def _conv_epilogue_pointers(x, w, y, bias, residuals) -> tuple:  # conv_op.run's with one
+    return (x, w, y, bias, *residuals)
+
+
+class _FastCall:
+    """A remembered call: the Launcher, how its pointers are ordered, and the output to allocate (shape, strides,
+    dtype, device and the pointer alignment its kernel was checked with)."""
+    __slots__ = ("launcher", "pointers", "shape", "strides", "dtype", "device", "align", "alpha", "beta", "grad")
+
+    def __init__(self, launcher, pointers, out: torch.Tensor, grad: bool):
+        self.launcher, self.pointers, self.grad = launcher, pointers, grad
+        self.shape, self.strides, self.dtype, self.device = tuple(out.shape), out.stride(), out.dtype, out.device
+        self.align = out.data_ptr() & 15
+        self.alpha, self.beta = launcher.alpha, launcher.beta  # the scalars of this call (the Launcher swaps them
+        # back if a registry call with other values used it since)
+
+    def __call__(self, pointers: tuple) -> Optional[torch.Tensor]:
+        """The output, computed; None (nothing launched) when the new output's alignment differs."""
+        out = torch.empty_strided(self.shape, self.strides, dtype=self.dtype, device=self.device)
+        p = out.data_ptr()
+        if p & 15 != self.align:
+            return None
+        a, b, bias, residuals = pointers
+        self.launcher(self.pointers(a, b, p, bias, residuals), self.alpha, self.beta)
+        return out
+
+
+def _fast_key(a, b, bias, residuals: tuple, options: tuple):
+    """(key, pointers) of a call that may take the fast path, else (None, None)."""
+    if not _eager(a, b, bias) or _any_autocast():
+        return None, None
+    fa, fb = _torch_print(a), _torch_print(b)
+    fbias = (None, None) if bias is None else _torch_print(bias)
+    key = (_thread_id(), options, fa[1], fb[1], fbias[1])
+    if not residuals:
+        return key, (fa[0], fb[0], fbias[0], ())
+    if not all(type(r) in _PLAIN for r in residuals):
+        return None, None
+    prints = [_torch_print(r) for r in residuals]
+    return key + tuple(p[1] for p in prints), (fa[0], fb[0], fbias[0], tuple(p[0] for p in prints))
+
+
+def _fast_call(handle: int, t: torch.Tensor, key, pointers) -> Optional[torch.Tensor]:
+    """The remembered call's output, or None when there is none for this key."""
+    reg = _registry_for(handle, t)
+    entry = reg._launches.peek(key)  # no recency update: an entry dropped for that is remembered again on its next call
+    if entry is None or (entry.grad and torch.is_grad_enabled()):
+        return None
+    try:
+        return entry(pointers)
+    except BaseException:  # the next call takes the full path again, whose checks say what is wrong
+        reg._launches.discard(key)
+        raise
+
+
+def _remember(handle: int, t: torch.Tensor, key, out: torch.Tensor, grad: bool) -> None:
+    """Keep the call the implementation just made under key, when it launched on the caller's tensors."""
+    launch = getattr(_DIRECT, "launch", None)
+    if launch is not None and launch[0] is not None:
+        _registry_for(handle, t)._launches.put(key, _FastCall(*launch, out, grad))
+
+
 def _needs_grad(*tensors) -> bool:
     if not torch.is_grad_enabled():
         return False
@@ -787,8 +891,19 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, registry, bias: Optional[torch.T
     return _matmul(a, b, bias, tuple(residuals), activation, low, high, handle)
 
 
-def _matmul(a, b, bias, residuals: tuple, activation: str, low: float, high: float, handle: int) -> torch.Tensor:
-    """matmul() on checked options."""
+_OWN_KEY = object()  # _matmul(key=): look the call up under its own key
+
+
+def _matmul(a, b, bias, residuals: tuple, activation: str, low: float, high: float, handle: int,
+            key=_OWN_KEY) -> torch.Tensor:
+    """matmul() on checked options. key: the fast path's key of the caller's call, which the caller looked up
+    already (None: the call is not to be remembered)."""
+    if key is _OWN_KEY:
+        key, pointers = _fast_key(a, b, bias, residuals, ("gemm", activation, low, high))
+        if key is not None:
+            out = _fast_call(handle, a, key, pointers)
+            if out is not None:
+                return out
     if _any_autocast():
         a, b, bias, *residuals = _autocast((a, b, bias, *residuals))
     lead = None
@@ -796,20 +911,44 @@ def _matmul(a, b, bias, residuals: tuple, activation: str, low: float, high: flo
         if a.dim() < 1:
             raise InvalidInputError(f"matmul: a has shape {list(a.shape)}, expected [..., k]")
         lead = a.shape[:-1]
-        a = a.reshape(-1, a.shape[-1])
-        residuals = tuple(r.reshape(-1, r.shape[-1]) for r in residuals)
+        rows = a.reshape(-1, a.shape[-1])
+        rows_of_residuals = tuple(r.reshape(-1, r.shape[-1]) for r in residuals)
+        if key is not None and (rows.data_ptr() != a.data_ptr() or any(
+                v.data_ptr() != r.data_ptr() for v, r in zip(rows_of_residuals, residuals))):
+            key = None  # a reshape copied: the kernel reads the copy, not the caller's tensor
+        a, residuals = rows, rows_of_residuals
     if _needs_grad(a, b, bias, *residuals):
         out = _GemmFunction.apply(a, b, bias, activation, low, high, handle, *residuals)
     else:
+        _DIRECT.launch = None
         out = _gemm(a, b, bias, residuals, activation, low, high, handle)
+        if lead is not None:
+            out = out.view(*lead, out.shape[-1])
+        if key is not None:
+            _remember(handle, a, key, out, any(t is not None and t.requires_grad for t in (a, b, bias, *residuals)))
+        return out
     return out if lead is None else out.view(*lead, out.shape[-1])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *, registry,
            residuals: Sequence[torch.Tensor] = (), activation: str = "identity", clamp=None) -> torch.Tensor:
     """act(x @ weight^T + bias + sum(residuals)), as torch.nn.functional.linear (weight [out, in])."""
-    return matmul(x, weight.t(), registry=registry, bias=bias, residuals=residuals, activation=activation,
-                  clamp=clamp)
+    handle = register(registry)
+    if activation not in ACTIVATIONS:
+        raise InvalidInputError(f"unknown activation {activation!r} (known: {', '.join(ACTIVATIONS)})")
+    low, high = NO_CLAMP if clamp is None else (float(clamp[0]), float(clamp[1]))
+    return _linear(x, weight, bias, tuple(residuals), activation, low, high, handle)
+
+
+def _linear(x, weight, bias, residuals: tuple, activation: str, low: float, high: float, handle: int) -> torch.Tensor:
+    """linear() on checked options (the patched and fused layers call it): the fast path under the key of (x,
+    weight), which saves the transposed view of the weight that _matmul takes."""
+    key, pointers = _fast_key(x, weight, bias, residuals, ("linear", activation, low, high))
+    if key is not None:
+        out = _fast_call(handle, x, key, pointers)
+        if out is not None:
+            return out
+    return _matmul(x, weight.t(), bias, residuals, activation, low, high, handle, key)
 
 
 def _per_dim(name: str, value, rank: int) -> list:
@@ -873,12 +1012,22 @@ def _check_conv_ranks(x, weight, rank: int) -> None:
 def _conv(x, weight, bias, stride, dilation, lo, hi, groups: int, handle: int, geo: Optional[_Geometry] = None,
           residuals: tuple = (), activation: str = "identity", clamp: tuple = NO_CLAMP):
     """conv() on checked arguments (geo: their _Geometry, when the caller keeps it)."""
+    key, pointers = _fast_key(x, weight, bias, residuals, ("conv", activation, clamp, geo) if geo is not None else
+                              ("conv", activation, clamp, tuple(stride), tuple(dilation), tuple(lo), tuple(hi), groups))
+    if key is not None:
+        y = _fast_call(handle, x, key, pointers)
+        if y is not None:
+            return y
     if _any_autocast():
         x, weight, bias, *residuals = _autocast((x, weight, bias, *residuals))
     if _needs_grad(x, weight, bias, *residuals):
         return _ConvFunction.apply(x, weight, bias, stride, dilation, lo, hi, groups, handle, activation, *clamp,
                                    *residuals)
-    return _conv_fwd(x, weight, bias, stride, dilation, lo, hi, groups, handle, geo, residuals, activation, clamp)
+    _DIRECT.launch = None
+    y = _conv_fwd(x, weight, bias, stride, dilation, lo, hi, groups, handle, geo, residuals, activation, clamp)
+    if key is not None:
+        _remember(handle, x, key, y, any(t is not None and t.requires_grad for t in (x, weight, bias, *residuals)))
+    return y
 
 
 # -- patch / unpatch -----------------------------------------------------------------------------------------
@@ -955,7 +1104,7 @@ def _conv_padding(module) -> tuple[list, list]:
 
 
 def _patched_linear_forward(self, x):
-    return _matmul(x, self.weight.t(), self.bias, (), "identity", *NO_CLAMP, getattr(self, _PATCH_ATTR)["handle"])
+    return _linear(x, self.weight, self.bias, (), "identity", *NO_CLAMP, getattr(self, _PATCH_ATTR)["handle"])
 
 
 def _patched_conv_forward(self, x):

@@ -119,12 +119,12 @@ class FusedLinear(nn.Module):
                 + (f"{self.clamp}" if self.activation == "clamp" else ""))
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        w = self.weight.t()
+        w = self.weight
         if residual is None:
-            return tdt._matmul(x, w, self.bias, (), self.activation, *self.clamp, self.handle)
+            return tdt._linear(x, w, self.bias, (), self.activation, *self.clamp, self.handle)
         if residual.shape == (*x.shape[:-1], self.weight.shape[0]) and residual.dtype == _compute_dtype(x):
-            return tdt._matmul(x, w, self.bias, (residual,), self.activation, *self.clamp, self.handle)
-        y = tdt._matmul(x, w, self.bias, (), "identity", *NO_CLAMP, self.handle)  # torch's add, as the model had it
+            return tdt._linear(x, w, self.bias, (residual,), self.activation, *self.clamp, self.handle)
+        y = tdt._linear(x, w, self.bias, (), "identity", *NO_CLAMP, self.handle)  # torch's add, as the model had it
         return _torch_activation(y + residual, self.activation, self.clamp)
 
 

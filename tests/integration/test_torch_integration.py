@@ -313,15 +313,15 @@ def test_fake_implementations_match_the_real_outputs(reg):
 
 
 def _profiled(fn) -> tuple[list, list]:
-    """The Python functions (file:name) a call enters and the torch tensor methods it calls, via sys.setprofile:
-    exact and deterministic, unlike a wall clock."""
+    """The Python functions (file:name) a call enters and the torch tensor methods and functions (torch.empty...) it
+    calls, via sys.setprofile: exact and deterministic, unlike a wall clock."""
     frames, methods = [], []
 
     def profile(frame, event, arg):
         if event == "call":
             frames.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
         elif event == "c_call" and getattr(arg, "__qualname__", "").startswith(("Tensor.", "TensorBase.",
-                                                                               "Parameter.")):
+                                                                               "Parameter.", "_VariableFunctions")):
             methods.append(arg.__qualname__.split(".", 1)[1])
 
     sys.setprofile(profile)
@@ -336,8 +336,8 @@ def test_eager_inference_calls_skip_the_dispatcher_and_allocate_once(reg):
     """Host cost guards of the eager inference path, counted rather than timed: tdt.linear / tdt.conv and patched
     nn.Linear / nn.Conv2d layers (no grad needed, channels-last conv tensors, no bias) call the operator's
     implementation directly (not through torch.ops), allocate the output with one call, fingerprint each tensor
-    the registry sees once, and run a bounded number of Python functions; fake and meta tensors still go through
-    the registered operators (their fake implementations)."""
+    once, and run a bounded number of Python functions (a repeated call launches the remembered kernel: the eager
+    fast path); fake and meta tensors still go through the registered operators (their fake implementations)."""
     h = tdt.register(reg)
     x, w = rand(8, 16, seed=40), rand(24, 16, seed=41)
     xc = rand(2, 8, 6, 6, seed=42).contiguous(memory_format=torch.channels_last)
@@ -351,10 +351,10 @@ def test_eager_inference_calls_skip_the_dispatcher_and_allocate_once(reg):
     want_linear, want_conv = F.linear(x, w), F.conv2d(xc, wc, padding=1)
     # the most Python functions each path enters, the lambda and nn.Module's own __call__ frames included, and the
     # overlap check that runs when the new output's pointer differs from the last one's
-    calls = {"tdt.linear": (lambda: tdt.linear(x, w, registry=h), want_linear, 21),
-             "tdt.conv": (lambda: tdt.conv(xc, wc, registry=h, padding=1), want_conv, 29),
-             "patched nn.Linear": (lambda: linear(x), want_linear, 22),
-             "patched nn.Conv2d": (lambda: conv(xc), want_conv, 30)}
+    calls = {"tdt.linear": (lambda: tdt.linear(x, w, registry=h), want_linear, 17),
+             "tdt.conv": (lambda: tdt.conv(xc, wc, registry=h, padding=1), want_conv, 22),
+             "patched nn.Linear": (lambda: linear(x), want_linear, 20),
+             "patched nn.Conv2d": (lambda: conv(xc), want_conv, 23)}
     with torch.no_grad():
         for name, (call, want, most_frames) in calls.items():
             call()
@@ -362,7 +362,7 @@ def test_eager_inference_calls_skip_the_dispatcher_and_allocate_once(reg):
             assert rel_err(call(), want) < TOL[torch.float32], name
             assert not any("torch/_ops.py" in f for f in frames), (name, "went through torch.ops", frames)
             assert len(frames) <= most_frames, (name, len(frames), frames)
-            allocations = [m for m in methods if m.startswith("new_empty")]
+            allocations = [m for m in methods if m.startswith(("new_empty", "empty"))]
             assert len(allocations) == 1, (name, methods)
             assert methods.count("data_ptr") == 3, (name, methods)  # x, w, out: one fingerprint each
             assert not {"movedim", "permute", "contiguous", "expand", "copy_", "clone"} & set(methods), (name, methods)
@@ -417,6 +417,54 @@ def _routed_calls(monkeypatch, reg) -> list:
     monkeypatch.setattr(type(reg), "gemm", gemm_spy)
     monkeypatch.setattr(conv_op, "run", run_spy)
     return calls
+
+
+def _remembered(registry) -> int:
+    """How many calls the eager fast path keeps in the registry's launch cache."""
+    return sum(type(v).__name__ == "_FastCall" for v in registry._launches._entries.values())
+
+
+def test_the_eager_fast_path_remembers_only_whole_results_on_the_callers_tensors(reg):
+    """A repeated eager call launches the remembered kernel directly only where the kernel alone computed the whole
+    result on the caller's own tensors: a conv whose activation torch applies after the kernel, a conv input that is
+    converted to channels-last per call and a linear whose bias is added through beta * C stay exact call after
+    call; a registry call with other scalars on the same prepared launch in between changes nothing; grad mode,
+    autocast and clear_caches() are obeyed."""
+    h = tdt.register(reg)
+    reg.clear_caches()
+    xc = rand(2, 8, 6, 6, seed=50).contiguous(memory_format=torch.channels_last)
+    wc = rand(8, 8, 3, 3, seed=51).contiguous(memory_format=torch.channels_last)
+    want = F.conv2d(xc.double(), wc.double(), padding=1)
+    x, w, b = rand(8, 16, seed=52), rand(24, 16, seed=53), rand(24, seed=54)
+    want_linear = F.linear(x.double(), w.double())
+    with torch.no_grad():
+        for _ in range(3):
+            assert rel_err(tdt.conv(xc, wc, registry=h, padding=1, activation="relu"), want.relu()) < TOL[torch.float32]
+            assert rel_err(tdt.conv(xc.contiguous(), wc, registry=h, padding=1), want) < TOL[torch.float32]
+            assert rel_err(tdt.conv(xc, wc, registry=h, padding=1), want) < TOL[torch.float32]
+            assert rel_err(tdt.linear(x, w, b, registry=h, residuals=(x @ w.t(),)),
+                           2 * want_linear + b.double()) < TOL[torch.float32]
+            assert rel_err(tdt.linear(x, w, registry=h), want_linear) < TOL[torch.float32]
+        # the plain channels-last conv and the plain linear (the bias + residual linear folds them into beta * C)
+        assert _remembered(reg) == 2
+        out = torch.empty(8, 24)
+        reg.gemm(x, w.t(), out, alpha=2.0)  # the prepared launch tdt.linear's remembered call holds, other alpha
+        assert rel_err(out, 2 * want_linear) < TOL[torch.float32]
+        assert rel_err(tdt.linear(x, w, registry=h), want_linear) < TOL[torch.float32]
+
+    w_leaf = leaf(w)
+    with torch.no_grad():
+        tdt.linear(x, w_leaf, registry=h)
+        assert rel_err(tdt.linear(x, w_leaf, registry=h), want_linear) < TOL[torch.float32]
+    y = tdt.linear(x, w_leaf, registry=h)  # grad mode on: recorded by autograd, not the remembered launch
+    assert y.grad_fn is not None
+    y.sum().backward()
+    assert rel_err(w_leaf.grad, x.double().sum(0).expand(24, 16)) < GRAD_TOL[torch.float32]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        y = tdt.linear(x, w, registry=h)
+    assert y.dtype == torch.bfloat16 and rel_err(y, want_linear) < TOL[torch.bfloat16]
+    reg.clear_caches()
+    assert _remembered(reg) == 0
 
 
 def test_patch_matches_the_unpatched_model_and_unpatch_restores(reg, monkeypatch):
