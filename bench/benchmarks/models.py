@@ -3,8 +3,8 @@
     python bench/benchmarks/models.py --bundle BUNDLE [--quick] [--models resnet50_train,mobilenet_v2,...] [--out DIR]
     python bench/benchmarks/models.py --device cpu --tiny --bundle BUNDLE      # the same code on the cpu backend
 
-Cases: a torchvision ResNet-50 training step (forward + backward, batch 32, 224^2, channels_last), MobileNetV2
-and ConvNeXt-T inference (batch 32), and the seven linear layers of a Llama-3-8B decoder layer (hidden 4096,
+Cases: a torchvision ResNet-50 training step (forward + backward, batch 32, 224^2, channels_last), ResNet-50,
+MobileNetV2 and ConvNeXt-T inference (batch 32), and the seven linear layers of a Llama-3-8B decoder layer (hidden 4096,
 q 4096, kv 1024, intermediate 14336; no bias) at prefill (2048 tokens) and decode (batch 1, 8, 32). The
 models run in half precision on the GPU (--dtype), float32 on the CPU. Variants, each run eagerly and captured
 in a CUDA graph (GPU only; a capture that fails is recorded as such, with its error): PyTorch eager
@@ -51,8 +51,8 @@ from tiledispatch import backends  # noqa: E402
 
 LLAMA = {"hidden": 4096, "q": 4096, "kv": 1024, "intermediate": 14336}
 TINY_LLAMA = {"hidden": 64, "q": 64, "kv": 16, "intermediate": 160}
-CASES = ("resnet50_train", "mobilenet_v2", "convnext_tiny", "llama3_8b_prefill2048", "llama3_8b_decode1",
-         "llama3_8b_decode8", "llama3_8b_decode32")
+CASES = ("resnet50_train", "resnet50", "mobilenet_v2", "convnext_tiny", "llama3_8b_prefill2048",
+         "llama3_8b_decode1", "llama3_8b_decode8", "llama3_8b_decode32")
 VARIANTS = ("eager", "compile", "tiledispatch", "fused")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -134,11 +134,12 @@ def build(case: str, tiny: bool, vision) -> tuple[nn.Module, tuple, bool, str]:
         return LlamaLinears(d), (tokens, d["hidden"]), False, what
     batch, size = (2, 32) if tiny else (32, 224)
     if vision is not None and not tiny:
-        model = {"resnet50_train": vision.resnet50, "mobilenet_v2": vision.mobilenet_v2,
+        model = {"resnet50_train": vision.resnet50, "resnet50": vision.resnet50, "mobilenet_v2": vision.mobilenet_v2,
                  "convnext_tiny": vision.convnext_tiny}[case]()
         what = f"torchvision {case.replace('_train', '')}"
     else:
-        model = {"resnet50_train": tiny_resnet, "mobilenet_v2": tiny_mobilenet, "convnext_tiny": tiny_convnext}[case]()
+        model = {"resnet50_train": tiny_resnet, "resnet50": tiny_resnet, "mobilenet_v2": tiny_mobilenet,
+                 "convnext_tiny": tiny_convnext}[case]()
         what = f"stand-in for {case} (tiny{'' if vision is not None else ', torchvision not installed'})"
     return model, (batch, 3, size, size), case.endswith("_train"), what
 

@@ -986,14 +986,27 @@ def conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
         raise InvalidInputError(f"unknown activation {activation!r} (known: {', '.join(ACTIVATIONS)})")
     rank = x.dim() - 2
     _check_conv_ranks(x, weight, rank)
+    low, high = NO_CLAMP if clamp is None else (float(clamp[0]), float(clamp[1]))
+    if (pad_lo is None and pad_hi is None and type(stride) is int and type(padding) is int and type(dilation) is int
+            and type(groups) is int):  # the common call: one int per option, its _Geometry memoized by those ints
+        geo = _UNIFORM_GEOMETRIES.get((rank, stride, padding, dilation, groups))
+        if geo is None:
+            if len(_UNIFORM_GEOMETRIES) >= _MEMO_SIZE:
+                _UNIFORM_GEOMETRIES.clear()
+            geo = _UNIFORM_GEOMETRIES[rank, stride, padding, dilation, groups] = _geometry(
+                (stride,) * rank, (dilation,) * rank, (padding,) * rank, (padding,) * rank, groups)
+        return _conv(x, weight, bias, geo.stride, geo.dilation, geo.pad_lo, geo.pad_hi, groups, handle, geo,
+                     tuple(residuals), activation, (low, high))
     if (pad_lo is None) != (pad_hi is None):
         raise InvalidInputError("give both pad_lo and pad_hi, or padding")
     lo = _per_dim("pad_lo", pad_lo if pad_lo is not None else padding, rank)
     hi = _per_dim("pad_hi", pad_hi if pad_hi is not None else padding, rank)
     stride, dilation = _per_dim("stride", stride, rank), _per_dim("dilation", dilation, rank)
-    low, high = NO_CLAMP if clamp is None else (float(clamp[0]), float(clamp[1]))
     return _conv(x, weight, bias, stride, dilation, lo, hi, groups if type(groups) is int else _groups(groups), handle,
                  None, tuple(residuals), activation, (low, high))
+
+
+_UNIFORM_GEOMETRIES: dict = {}  # (rank, stride, padding, dilation, groups), plain ints -> _Geometry
 
 
 def _groups(value) -> int:

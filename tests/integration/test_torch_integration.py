@@ -660,13 +660,13 @@ def test_bench_models_runs_on_the_cpu(reg, tmp_path):
     bundle = Path(reg.kernels[0].path).parents[1]  # <bundle>/kernels/<kernel>.so
     env = {**os.environ, "PYTHONPATH": str(REPO / "runtime")}
     cmd = [sys.executable, str(REPO / "bench" / "benchmarks" / "models.py"), "--device", "cpu", "--tiny", "--quick",
-           "--bundle", str(bundle), "--models", "llama3_8b_decode8,convnext_tiny,mobilenet_v2", "--variants",
+           "--bundle", str(bundle), "--models", "llama3_8b_decode8,convnext_tiny,mobilenet_v2,resnet50", "--variants",
            "eager,tiledispatch,fused",
            "--out", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "models_cpu_tiny.json").read_text())
-    for case in ("llama3_8b_decode8", "convnext_tiny", "mobilenet_v2"):
+    for case in ("llama3_8b_decode8", "convnext_tiny", "mobilenet_v2", "resnet50"):
         r = result["cases"][case]
         assert r["variants"]["tiledispatch"]["out_rel_err"] < 1e-5, r["variants"]
         assert r["variants"]["fused"]["out_rel_err"] < 1e-5 and r["variants"]["fused"]["out_within_tolerance"]
