@@ -186,7 +186,9 @@ def test_alpha_beta(libs, direction):
 def test_implicit_gemm_strided_bwd_data_by_phase(libs, rank):
     """A strided bwd_data walks the input pixels phase by phase: with a 1x1 filter, the phases no tap reaches run
     no k tile and write alpha * 0 + beta * old; a 3x3 filter at stride 3 leaves each phase one tap per dim. Sizes
-    that the stride does not divide leave the last phases short (their padding rows are never written)."""
+    that the stride does not divide leave the last phases short (their padding rows are never written). The larger
+    sizes give phases of several tiles (the tiles inside one phase take the per-tap offsets, the others the per-row
+    division), with a dilation of 2 at stride 2 (taps of one parity reach no phase of the other)."""
     import numpy as np
 
     from tiledispatch import validation
@@ -194,16 +196,16 @@ def test_implicit_gemm_strided_bwd_data_by_phase(libs, rank):
     key = igemm("bwd_data", rank)
     lib = built(libs, key)
     rng = np.random.default_rng(11 + rank)
-    in_size = {1: (25,), 2: (9, 10), 3: (5, 6, 7)}[rank]
-    for f, stride in ((1, 2), (3, 3)):
-        p = conv.ConvProblem("bwd_data", 2, 1, 24, 16, in_size, (f,) * rank, (stride,) * rank, (1,) * rank,
-                             (0,) * rank, (f // 2,) * rank, "fp16", "fp16", "fp16")
+    small, large = {1: ((25,), (150,)), 2: ((9, 10), (16, 17)), 3: ((5, 6, 7), (6, 8, 9))}[rank]
+    for in_size, f, stride, dilation in ((small, 1, 2, 1), (small, 3, 3, 1), (large, 3, 2, 1), (large, 3, 2, 2)):
+        p = conv.ConvProblem("bwd_data", 2, 1, 24, 16, in_size, (f,) * rank, (stride,) * rank, (dilation,) * rank,
+                             (0,) * rank, (f // 2 * dilation,) * rank, "fp16", "fp16", "fp16")
         data, expect = validation.conv_case(p, rng)
         data["x"][...] = validation.random_array(rng, data["x"].shape, "fp16")
         old = data["x"].astype(np.float64)
         status, reason, out = ce.run(lib, key, p, data, alpha=0.75, beta=-1.25)
         assert status == abi.OK, reason
-        assert validation.compare(out, 0.75 * expect - 1.25 * old, key)["passed"], (f, stride)
+        assert validation.compare(out, 0.75 * expect - 1.25 * old, key)["passed"], (in_size, f, stride, dilation)
 
 
 def test_refusals(libs):
