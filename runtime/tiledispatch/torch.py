@@ -358,6 +358,10 @@ class _Geometry:
                  "out_shapes")
 
     def __init__(self, stride: tuple, dilation: tuple, pad_lo: tuple, pad_hi: tuple, groups: int):
+        for name, values, least in (("stride", stride, 1), ("dilation", dilation, 1), ("pad_lo", pad_lo, 0),
+                                    ("pad_hi", pad_hi, 0)):  # output shapes are computed from them before any check
+            if any(v < least for v in values):
+                raise InvalidInputError(f"conv {name} must be >= {least} in every spatial dim, got {list(values)}")
         self.stride, self.dilation, self.pad_lo, self.pad_hi, self.groups = stride, dilation, pad_lo, pad_hi, groups
         self.rank = len(stride)
         base = {"stride": stride, "dilation": dilation, "pad_lo": pad_lo, "pad_hi": pad_hi, "groups": groups}

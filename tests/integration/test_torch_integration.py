@@ -286,6 +286,10 @@ def test_conv_refusals_are_clear(reg):
         tdt.conv(rand(1, 4, 5, 5, 5, dtype=torch.float16), rand(4, 4, 3, 3, 3, dtype=torch.float16), registry=reg)
     with pytest.raises(td.InvalidInputError, match="bias has shape"):
         tdt.conv(x, w, b[:-1], registry=reg, **geo)
+    for bad, message in (({"stride": 0}, "stride must be >= 1"), ({"stride": (1, 0)}, "stride must be >= 1"),
+                         ({"dilation": 0}, "dilation must be >= 1"), ({"padding": -1}, "pad_lo must be >= 0")):
+        with pytest.raises(td.InvalidInputError, match=message):
+            tdt.conv(x, w, registry=reg, **{**geo, **bad})
 
 
 # -- fake tensors and torch.compile ------------------------------------------------------------------------
