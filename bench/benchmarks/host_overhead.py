@@ -181,7 +181,7 @@ def forget(reg):
 def raw_call(reg):
     """td_run on the prebuilt arguments of the launch the last public call cached (the newest entry of the
     registry's launch cache): the floor of that call, with its kernel and its arguments."""
-    launcher = next(reversed(reg._launches._entries.values()))
+    launcher = reg._launches.values()[-1]
     plan = launcher.plan
     run, ref, reason = plan._run, plan._args_ref, plan._reason
     return (lambda: run(ref, reason, 512)), plan.kernel.name

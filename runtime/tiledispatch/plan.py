@@ -9,7 +9,7 @@ pointer changed). Anything else goes through the full checks again, so the fast 
 kernel on arguments it did not accept.
 
 The registry's public calls keep one prepared Plan per call key in a Launcher (which also swaps alpha and
-beta), in a BoundedCache (least recently used dropped first): README, "Repeated calls".
+beta), in a BoundedCache (the entries not used lately dropped first): README, "Repeated calls".
 """
 from __future__ import annotations
 
@@ -320,35 +320,40 @@ def last_launcher() -> Optional[Launcher]:
 
 
 class BoundedCache:
-    """A mapping of at most `size` entries that drops the least recently used first, with hit / miss counts.
+    """A mapping of at most `size` entries, with hit / miss counts, that drops the entries not used lately first:
+    a second-chance clock (a hit marks its entry; eviction passes over a marked entry once, clearing the mark),
+    which approximates least-recently-used without reordering on every hit, so a hit is one dictionary lookup.
     Safe to share between threads (a concurrent eviction is a miss, never an error)."""
 
     def __init__(self, size: int):
         self.size, self.hits, self.misses = size, 0, 0
-        self._entries: OrderedDict = OrderedDict()
-        self.peek = self._entries.get  # a lookup that neither counts nor marks the entry as used (one C call)
+        self._entries: OrderedDict = OrderedDict()  # key -> [value, used since the clock last passed it]
 
     def get(self, key):
-        value = self._entries.get(key)
-        if value is None:
+        slot = self._entries.get(key)
+        if slot is None:
             self.misses += 1
             return None
-        try:
-            self._entries.move_to_end(key)
-        except KeyError:  # evicted by another thread since the get
-            pass
+        slot[1] = True
         self.hits += 1
-        return value
+        return slot[0]
 
     def put(self, key, value) -> None:
         entries = self._entries
-        entries[key] = value
-        entries.move_to_end(key)
+        entries.pop(key, None)
+        entries[key] = [value, False]
         while len(entries) > self.size:
             try:
-                entries.popitem(last=False)
-            except KeyError:
+                old, slot = entries.popitem(last=False)
+            except KeyError:  # emptied by another thread
                 break
+            if slot[1] or old is key:  # used since the last pass (or the entry just put): once more to the end
+                slot[1] = False
+                entries[old] = slot
+
+    def values(self) -> list:
+        """The values, oldest entry first."""
+        return [slot[0] for slot in list(self._entries.values())]
 
     def discard(self, key) -> None:
         self._entries.pop(key, None)

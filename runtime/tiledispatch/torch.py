@@ -856,7 +856,7 @@ def _fast_key(a, b, bias, residuals: tuple, options: tuple):
 def _fast_call(handle: int, t: torch.Tensor, key, pointers) -> Optional[torch.Tensor]:
     """The remembered call's output, or None when there is none for this key."""
     reg = _registry_for(handle, t)
-    entry = reg._launches.peek(key)  # no recency update: an entry dropped for that is remembered again on its next call
+    entry = reg._launches.get(key)
     if entry is None or (entry.grad and torch.is_grad_enabled()):
         return None
     try:

@@ -180,7 +180,7 @@ def test_pointwise_conv_on_gemm_kernels_is_cached(reg, counts, direction):
             first = dict(counts)
             assert first["gemm_checks"] == 1  # the GEMM's operands: the conv ran on a GEMM kernel
     assert counts == first
-    (launcher,) = reg._launches._entries.values()
+    (launcher,) = reg._launches.values()
     assert launcher.plan.problem.op == "gemm"
 
 
@@ -359,7 +359,7 @@ def test_conv_aliasing_and_read_only_outputs_are_refused_on_the_second_call(reg,
 
 
 # -- bounds and invalidation --------------------------------------------------------------------------------------
-def test_caches_are_bounded_least_recently_used(reg, monkeypatch):
+def test_caches_are_bounded_and_keep_what_is_used(reg, monkeypatch):
     reg.clear_caches()
     monkeypatch.setattr(reg._launches, "size", 3)
     rng = np.random.default_rng(10)
@@ -367,13 +367,31 @@ def test_caches_are_bounded_least_recently_used(reg, monkeypatch):
     arrays = {m: (rand(rng, (m, 24)), poisoned((m, 56))) for m in (8, 9, 10, 11)}
     for m in (8, 9, 10):
         reg.gemm(arrays[m][0], b, arrays[m][1])
-    reg.gemm(arrays[8][0], b, arrays[8][1])  # 8 used again: 9 is now the least recently used
+    reg.gemm(arrays[8][0], b, arrays[8][1])  # 8 used again: 9 is the oldest entry not used since
     reg.gemm(arrays[11][0], b, arrays[11][1])
     assert len(reg._launches) == 3
-    rows = sorted(launcher.plan.problem.m for launcher in reg._launches._entries.values())
+    rows = sorted(launcher.plan.problem.m for launcher in reg._launches.values())
     assert rows == [8, 10, 11]
     for m, (a, out) in arrays.items():
         close(out, reference.gemm(a, b))
+
+
+def test_bounded_cache_evicts_what_was_not_used_since_and_never_what_it_just_put():
+    from tiledispatch.plan import BoundedCache
+
+    cache = BoundedCache(3)
+    for k in "abc":
+        cache.put(k, k.upper())
+    assert cache.get("a") == "A" and cache.get("zz") is None
+    cache.put("d", "D")  # a was used: b, the oldest not used since, goes
+    assert sorted(cache.values()) == ["A", "C", "D"]
+    for k in "acd":
+        cache.get(k)
+    cache.put("e", "E")  # every entry used: one pass clears the marks, the oldest goes, the new entry stays
+    assert len(cache) == 3 and "E" in cache.values() and cache.get("e") == "E"
+    cache.put("c", "C2")  # put again: replaced, counted once
+    assert len(cache) == 3 and cache.get("c") == "C2"
+    assert (cache.hits, cache.misses) == (6, 1)
 
 
 def test_tuning_record_and_autotune_changes_empty_the_caches(reg, counts):
@@ -387,7 +405,7 @@ def test_tuning_record_and_autotune_changes_empty_the_caches(reg, counts):
         reg.gemm(a, b, out)
         fits = reg.candidates(p)
         assert len(fits) >= 2
-        first = reg._launches._entries[next(iter(reg._launches._entries))].plan.kernel.name
+        first = reg._launches.values()[0].plan.kernel.name
         assert first == selection.learned(p, fits)[0].name
         last = selection.learned(p, fits)[-1].name
         reg.tuning.put(reg._identity(), tuning.problem_key(p, [k.name for k in fits]), tuning.record(last, {last: 1.0}))
@@ -398,13 +416,13 @@ def test_tuning_record_and_autotune_changes_empty_the_caches(reg, counts):
         out = poisoned((40, 56))
         reg.gemm(a, b, out)
         close(out, reference.gemm(a, b))
-        (launcher,) = reg._launches._entries.values()
+        (launcher,) = reg._launches.values()
         assert launcher.plan.kernel.name == last and reg.select(p).name == last
 
         winner = reg.tune(p, {"a": a, "b": b, "out": poisoned((40, 56))}, top=len(fits))  # records: caches emptied
         assert reg.cache_info()["launches"]["entries"] == 0
         reg.gemm(a, b, out)
-        (launcher,) = reg._launches._entries.values()
+        (launcher,) = reg._launches.values()
         assert launcher.plan.kernel.name == winner.name
         reg.autotune = False
         assert reg.cache_info()["launches"]["entries"] == 0
