@@ -42,9 +42,11 @@ needs a workspace gets it on its first call on a stream, from torch's allocator,
 """
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import operator
+import os
 import threading
 import types
 from dataclasses import dataclass, field
@@ -559,7 +561,80 @@ def _conv_bwd_data_run(dy, w, in_size, geo: _Geometry, handle: int):
     reg = _registry_for(handle, dy)
     dy, w = _channels_last(dy), _channels_last(w)
     dx = _new_channels_last((dy.shape[0], w.shape[1] * geo.groups, *in_size), dy)
+    if _STRIDED_BWD_DATA == "phases" and any(s > 1 for s in geo.stride) and _bwd_data_by_phase(reg, dy, w, dx, geo):
+        return dx
     return conv_op.run(reg, "bwd_data", dx, w, dy, dx, geo.options[0.0], geo.keys[0.0])
+
+
+STRIDED_BWD_DATA_ROUTES = ("kernel", "phases")
+_STRIDED_BWD_DATA = "kernel"
+
+
+def set_strided_bwd_data(route: str) -> None:
+    """How the torch operators compute the input gradient of a strided convolution: "kernel" (the default), the
+    bundle's strided bwd_data kernels; "phases", one unit-stride bwd_data per stride phase (_bwd_data_by_phase),
+    which runs on the unit-stride kernels (the faster ones on the GPU backends, where the strided ones are
+    implicit-GEMM only) at the cost of a copy of each phase. The environment variable TD_STRIDED_BWD_DATA sets the
+    initial route."""
+    global _STRIDED_BWD_DATA
+    if route not in STRIDED_BWD_DATA_ROUTES:
+        raise InvalidInputError(f"strided bwd_data route {route!r}: one of {', '.join(STRIDED_BWD_DATA_ROUTES)}")
+    _STRIDED_BWD_DATA = route
+
+
+set_strided_bwd_data(os.environ.get("TD_STRIDED_BWD_DATA", "kernel"))
+
+
+def _bwd_data_by_phase(reg, dy, w, dx, geo: _Geometry) -> bool:
+    """dx of a strided convolution as one unit-stride bwd_data per stride phase. The pixels p, p + s, p + 2s, ...
+    of dx (phase p of a dim) receive only the taps r with (p + pad_lo - r * dilation) % s == 0; those taps are
+    evenly spaced, so the phase is the bwd_data of a unit-stride convolution with that sub-filter and its own
+    dilation and padding; its rows that no dy row reaches are zero, and dy rows that reach none of its rows are left
+    out. Each phase is computed into a channels-last buffer and copied into its strided view of dx. False, with dx
+    unspecified, where a sub-problem has no kernel (the caller then runs the strided problem whole)."""
+    for combo in itertools.product(*(range(s) for s in geo.stride)):
+        view = dx[(slice(None), slice(None)) + tuple(slice(p, None, s) for p, s in zip(combo, geo.stride))]
+        if view.numel() == 0:
+            continue
+        taps, dilation, pad_lo, pad_hi, rows, dy_rows = [], [], [], [], [], []
+        for d, p in enumerate(combo):
+            s, dil, lo = geo.stride[d], geo.dilation[d], geo.pad_lo[d]
+            reach = [r for r in range(w.shape[2 + d]) if (p + lo - r * dil) % s == 0]
+            if not reach:
+                break
+            sub_dil = (reach[1] - reach[0]) * dil // s if len(reach) > 1 else 1
+            extent = sub_dil * (len(reach) - 1)
+            q = (p + lo - reach[0] * dil) // s  # phase row i = sum over m of dy[i + q - m * sub_dil] * w[reach[m]]
+            first = max(0, -q)  # the phase rows [first, last) reach a dy row
+            last = min(view.shape[2 + d], dy.shape[2 + d] - q + extent)
+            if last <= first:
+                break
+            lo_sub = q + first
+            skip = max(0, lo_sub - extent)  # dy rows before it reach no phase row
+            dy_end = min(dy.shape[2 + d], last + q)
+            taps.append(reach)
+            dilation.append(sub_dil)
+            pad_lo.append(lo_sub - skip)
+            pad_hi.append((dy_end - skip) - (last - first) - (lo_sub - skip) + extent)
+            rows.append(slice(first, last))
+            dy_rows.append(slice(skip, dy_end))
+        if len(taps) < geo.rank:  # a dim where no tap reaches the phase: it is all zero
+            view.zero_()
+            continue
+        sub_w = w
+        for d, reach in enumerate(taps):
+            sub_w = sub_w.index_select(2 + d, torch.tensor(reach, device=w.device))
+        target = view[(slice(None), slice(None), *rows)]
+        buffer = _new_channels_last(tuple(target.shape), dy)
+        try:
+            reg.conv_bwd_data(_channels_last(dy[(slice(None), slice(None), *dy_rows)]), _channels_last(sub_w), buffer,
+                              stride=1, dilation=dilation, pad_lo=pad_lo, pad_hi=pad_hi, groups=geo.groups)
+        except UnsupportedProblemError:
+            return False
+        if target.shape != view.shape:
+            view.zero_()
+        target.copy_(buffer)
+    return True
 
 
 def _conv_bwd_data_fake(dy, w, in_size, stride, dilation, pad_lo, pad_hi, groups, registry):

@@ -423,6 +423,43 @@ def _routed_calls(monkeypatch, reg) -> list:
     return calls
 
 
+@pytest.mark.parametrize("spatial,filt,stride,dil,lo,hi,groups", [
+    ((23,), (3,), (2,), (1,), (1,), (2,), 1), ((10,), (5,), (3,), (2,), (2,), (0,), 1),
+    ((9, 8), (3, 3), (2, 1), (1, 2), (1, 0), (0, 1), 2), ((11, 12), (4, 3), (3, 2), (2, 1), (3, 1), (2, 2), 3),
+    ((14, 14), (1, 1), (2, 2), (1, 1), (0, 0), (0, 0), 2), ((14, 13), (3, 3), (2, 2), (3, 3), (2, 2), (2, 2), 1),
+    ((5, 6, 7), (3, 2, 3), (2, 2, 1), (1, 2, 1), (1, 0, 2), (0, 1, 1), 1),
+    ((6, 7, 8), (1, 3, 3), (2, 2, 2), (1, 1, 1), (0, 1, 1), (0, 1, 1), 1)])
+def test_strided_bwd_data_by_phase_matches_autograd(reg, monkeypatch, spatial, filt, stride, dil, lo, hi, groups):
+    """The "phases" route of a strided conv's input gradient (one unit-stride bwd_data per stride phase: phases no
+    tap reaches, rows no dy row reaches, dilations that skip taps, groups, 1-3D) against torch's autograd in
+    float64; the phase route is the one that ran."""
+    monkeypatch.setattr(tdt, "_STRIDED_BWD_DATA", "phases")
+    ran = []
+    by_phase = tdt._bwd_data_by_phase
+    monkeypatch.setattr(tdt, "_bwd_data_by_phase", lambda *a: ran.append(by_phase(*a)) or ran[-1])
+    rank = len(spatial)
+    out = [(i + a + b - d * (f - 1) - 1) // s + 1 for i, f, s, d, a, b in zip(spatial, filt, stride, dil, lo, hi)]
+    x = rand(2, 6, *spatial, dtype=torch.float64, seed=60)
+    w = rand(6, 6 // groups, *filt, dtype=torch.float64, seed=61)
+    dy = rand(2, 6, *out, dtype=torch.float64, seed=62)
+    got = tdt._conv_bwd_data_run(dy.float(), w.float(), list(spatial), tdt._geometry(stride, dil, lo, hi, groups),
+                                 tdt.register(reg))
+    xx = leaf(x)
+    pad = [v for a, b in reversed(list(zip(lo, hi))) for v in (a, b)]
+    conv_nd = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[rank]
+    conv_nd(F.pad(xx, pad), w, stride=stride, dilation=dil, groups=groups).backward(dy)
+    assert ran == [True]
+    assert rel_err(got, xx.grad) < TOL[torch.float32]
+
+
+def test_strided_bwd_data_route_is_checked():
+    with pytest.raises(td.InvalidInputError, match="one of kernel, phases"):
+        tdt.set_strided_bwd_data("fast")
+    env = {**os.environ, "PYTHONPATH": str(REPO / "runtime"), "TD_STRIDED_BWD_DATA": "fast"}
+    proc = subprocess.run([sys.executable, "-c", "import tiledispatch.torch"], capture_output=True, text=True, env=env)
+    assert proc.returncode != 0 and "strided bwd_data route 'fast'" in proc.stderr
+
+
 def _remembered(registry) -> int:
     """How many calls the eager fast path keeps in the registry's launch cache."""
     return sum(type(v).__name__ == "_FastCall" for v in registry._launches.values())
