@@ -362,8 +362,7 @@ class _Geometry:
     def __init__(self, stride: tuple, dilation: tuple, pad_lo: tuple, pad_hi: tuple, groups: int):
         for name, values, least in (("stride", stride, 1), ("dilation", dilation, 1), ("pad_lo", pad_lo, 0),
                                     ("pad_hi", pad_hi, 0)):  # output shapes are computed from them before any check
-            if any(v < least for v in values):
-                raise InvalidInputError(f"conv {name} must be >= {least} in every spatial dim, got {list(values)}")
+            conv_op._ints(name, values, len(values), least)  # the registry's check and message
         self.stride, self.dilation, self.pad_lo, self.pad_hi, self.groups = stride, dilation, pad_lo, pad_hi, groups
         self.rank = len(stride)
         base = {"stride": stride, "dilation": dilation, "pad_lo": pad_lo, "pad_hi": pad_hi, "groups": groups}
@@ -621,9 +620,8 @@ def _bwd_data_by_phase(reg, dy, w, dx, geo: _Geometry) -> bool:
         if len(taps) < geo.rank:  # a dim where no tap reaches the phase: it is all zero
             view.zero_()
             continue
-        sub_w = w
-        for d, reach in enumerate(taps):
-            sub_w = sub_w.index_select(2 + d, torch.tensor(reach, device=w.device))
+        # the reaching taps are evenly spaced: a strided view (no index tensor to send to the device per call)
+        sub_w = w[(slice(None), slice(None), *(slice(r[0], r[-1] + 1, r[1] - r[0] if len(r) > 1 else 1) for r in taps))]
         target = view[(slice(None), slice(None), *rows)]
         buffer = _new_channels_last(tuple(target.shape), dy)
         try:
@@ -996,17 +994,17 @@ def _matmul(a, b, bias, residuals: tuple, activation: str, low: float, high: flo
                 v.data_ptr() != r.data_ptr() for v, r in zip(rows_of_residuals, residuals))):
             key = None  # a reshape copied: the kernel reads the copy, not the caller's tensor
         a, residuals = rows, rows_of_residuals
-    if _needs_grad(a, b, bias, *residuals):
+    grad = _needs_grad(a, b, bias, *residuals)
+    if grad:
         out = _GemmFunction.apply(a, b, bias, activation, low, high, handle, *residuals)
     else:
         _DIRECT.launch = None
         out = _gemm(a, b, bias, residuals, activation, low, high, handle)
-        if lead is not None:
-            out = out.view(*lead, out.shape[-1])
-        if key is not None:
-            _remember(handle, a, key, out, any(t is not None and t.requires_grad for t in (a, b, bias, *residuals)))
-        return out
-    return out if lead is None else out.view(*lead, out.shape[-1])
+    if lead is not None:
+        out = out.view(*lead, out.shape[-1])
+    if key is not None and not grad:
+        _remember(handle, a, key, out, any(t is not None and t.requires_grad for t in (a, b, bias, *residuals)))
+    return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *, registry,
