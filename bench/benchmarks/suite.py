@@ -164,7 +164,8 @@ def conv_selected(reg, p: conv.ConvProblem, x, w, y):
     return kern.name, launch(kern, bind(reg, p, kern, ops))
 
 
-def conv_point(reg, layer: dict, direction: str, dtype: str, batch: int, device: str, gen, peer_only: bool) -> dict:
+def conv_point(reg, layer: dict, direction: str, dtype: str, batch: int, device: str, gen, peer_only: bool,
+               api: str = "registry") -> dict:
     p, x, w, y = conv_tensors(layer, direction, dtype, batch, gen)
     row = {"id": layer["id"], "direction": direction, "dtype": dtype, "cls": layer["cls"], "rank": layer["rank"],
            "n": p.n, "weight": layer["weight"], "flops": p.flops()}
@@ -186,8 +187,17 @@ def conv_point(reg, layer: dict, direction: str, dtype: str, batch: int, device:
         del src, dst
     written = {"fwd": y, "bwd_data": x, "bwd_weight": w}[direction]
     geo = dict(stride=p.stride, dilation=p.dilation, pad_lo=p.pad_lo, pad_hi=p.pad_hi, groups=p.g)
-    ours = {"fwd": lambda: reg.conv_fwd(x, w, out=y, **geo), "bwd_data": lambda: reg.conv_bwd_data(y, w, out=x, **geo),
-            "bwd_weight": lambda: reg.conv_bwd_weight(x, y, out=w, **geo)}[direction]
+    if api == "torch":  # the operators a patched model's forward and autograd backward call (each returns a new tensor)
+        import tiledispatch.torch as tdt
+        ops, handle = torch.ops.tiledispatch, tdt.register(reg)
+        args = (list(p.stride), list(p.dilation), list(p.pad_lo), list(p.pad_hi), p.g, handle)
+        ours = {"fwd": lambda: ops.conv_fwd(x, w, None, [], "identity", 0.0, 0.0, *args),
+                "bwd_data": lambda: ops.conv_bwd_data(y, w, list(x.shape[2:]), *args),
+                "bwd_weight": lambda: ops.conv_bwd_weight(x, y, list(w.shape[2:]), *args)}[direction]
+    else:
+        ours = {"fwd": lambda: reg.conv_fwd(x, w, out=y, **geo),
+                "bwd_data": lambda: reg.conv_bwd_data(y, w, out=x, **geo),
+                "bwd_weight": lambda: reg.conv_bwd_weight(x, y, out=w, **geo)}[direction]
     return ours_and_check(row, ours, written, want, lambda: conv_selected(reg, p, x, w, y), device)
 
 
@@ -195,12 +205,13 @@ def ours_and_check(row: dict, ours, written: torch.Tensor, want: torch.Tensor, s
     """Our public call checked against the peer's result, timed; the selected kernel alone timed beside it."""
     written.fill_(float("nan"))
     try:
-        ours()
+        got = ours()  # the output: `written` for the registry's calls, a new tensor for the torch operators
+        got = written if got is None else got
     except UnsupportedProblemError as e:
         row.update(status="no kernel", reason=str(e)[:2000])
         return row
     sync(device)
-    row["rel_error"] = rel_error(written, want)
+    row["rel_error"] = rel_error(got, want)
     row["status"] = "ok" if row["rel_error"] <= TOLERANCE[row["dtype"]] else "wrong result"
     row["ours_ms"] = median_ms(ours, device)
     name, alone = selected()
@@ -271,7 +282,7 @@ def run_points(a, suite_name: str, selection: list[tuple], out_jsonl: Path, peer
                 continue
             try:
                 if suite_name == "conv":
-                    row = conv_point(reg, entry, direction, dtype, a.batch, a.device, gen, peer_only)
+                    row = conv_point(reg, entry, direction, dtype, a.batch, a.device, gen, peer_only, a.api)
                 else:
                     row = gemm_point(reg, entry, dtype, a.device, gen, peer_only)
             except Exception as e:  # noqa: BLE001  (one point's failure must not hide the others')
@@ -470,6 +481,9 @@ def main(argv=None) -> int:
     ap.add_argument("--peer-only", action="store_true", help=argparse.SUPPRESS)  # the second process
     ap.add_argument("--resume", type=Path, help="skip the points whose results are in this directory")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--api", choices=("registry", "torch"), default="registry",
+                    help="conv: ours through reg.conv_* (default) or the tiledispatch.torch operators a patched model "
+                         "calls (TD_STRIDED_BWD_DATA picks their strided bwd_data route)")
     a = ap.parse_args(argv)
     if a.suite == "report":
         paths = sorted(p for d in a.bundles for p in Path(d).glob("*.jsonl"))
@@ -506,7 +520,8 @@ def main(argv=None) -> int:
     paths = [p for p in (a.out / f"{stem}.jsonl", a.out / f"{stem}_peer.jsonl") if p.exists()]
     bundles = {b: {k: v for k, v in json.loads((Path(b) / "manifest.json").read_text()).items() if k != "kernels"}
                for b in a.bundles}  # what built them (toolchain, sets), not the kernel list
-    info = {"suite": a.suite, "machine": machine(a.device), "device": a.device, "bundles": bundles,
+    info = {"suite": a.suite, "machine": machine(a.device), "device": a.device, "api": a.api,
+            "strided_bwd_data": os.environ.get("TD_STRIDED_BWD_DATA", "auto"), "bundles": bundles,
             "shard": list(a.shard), "points": len(selection), "seconds": round(time.time() - start, 1),
             "timing": f"median of {REPEATS} batches of back-to-back calls (about {TARGET_MS} ms a batch), CUDA events; "
                       "speedup = fastest peer (either form, either process) / our public call; speedup_kernel: the "

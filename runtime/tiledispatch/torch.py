@@ -50,7 +50,7 @@ import os
 import threading
 import types
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -356,8 +356,8 @@ class _Geometry:
     """A convolution's stride, dilation, padding and groups (tuples of ints, one per spatial dim), with what every
     call derives from them made once: the registry options per direction with their launch-cache key (no option
     dict to build or key to derive per call), the bias view's shape and the output shapes seen."""
-    __slots__ = ("stride", "dilation", "pad_lo", "pad_hi", "groups", "rank", "options", "keys", "bias_shape",
-                 "out_shapes")
+    __slots__ = ("stride", "dilation", "pad_lo", "pad_hi", "groups", "rank", "strided", "options", "keys",
+                 "bias_shape", "out_shapes", "phase_plans")
 
     def __init__(self, stride: tuple, dilation: tuple, pad_lo: tuple, pad_hi: tuple, groups: int):
         for name, values, least in (("stride", stride, 1), ("dilation", dilation, 1), ("pad_lo", pad_lo, 0),
@@ -365,11 +365,13 @@ class _Geometry:
             conv_op._ints(name, values, len(values), least)  # the registry's check and message
         self.stride, self.dilation, self.pad_lo, self.pad_hi, self.groups = stride, dilation, pad_lo, pad_hi, groups
         self.rank = len(stride)
+        self.strided = any(s > 1 for s in stride)
         base = {"stride": stride, "dilation": dilation, "pad_lo": pad_lo, "pad_hi": pad_hi, "groups": groups}
         self.options = {beta: {**base, "beta": beta} for beta in (0.0, 1.0)}
         self.keys = {beta: conv_op.options_key(options) for beta, options in self.options.items()}
         self.bias_shape = (1, -1) + (1,) * self.rank
         self.out_shapes: dict = {}  # (x.shape, w.shape) -> y's shape (forward)
+        self.phase_plans: dict = {}  # (dy.shape, w.shape, dx.shape) -> _phases (strided bwd_data by phase)
 
     def fwd_shape(self, x: torch.Tensor, w: torch.Tensor) -> tuple:
         xs, ws = x.shape, w.shape
@@ -560,77 +562,112 @@ def _conv_bwd_data_run(dy, w, in_size, geo: _Geometry, handle: int):
     reg = _registry_for(handle, dy)
     dy, w = _channels_last(dy), _channels_last(w)
     dx = _new_channels_last((dy.shape[0], w.shape[1] * geo.groups, *in_size), dy)
-    if _STRIDED_BWD_DATA == "phases" and any(s > 1 for s in geo.stride) and _bwd_data_by_phase(reg, dy, w, dx, geo):
+    if geo.strided and (_STRIDED_BWD_DATA == "phases" or _STRIDED_BWD_DATA == "auto" and w.shape[1] > 1) \
+            and _bwd_data_by_phase(reg, dy, w, dx, geo):
         return dx
     return conv_op.run(reg, "bwd_data", dx, w, dy, dx, geo.options[0.0], geo.keys[0.0])
 
 
-STRIDED_BWD_DATA_ROUTES = ("kernel", "phases")
-_STRIDED_BWD_DATA = "kernel"
+STRIDED_BWD_DATA_ROUTES = ("auto", "kernel", "phases")
+_STRIDED_BWD_DATA = "auto"
 
 
 def set_strided_bwd_data(route: str) -> None:
-    """How the torch operators compute the input gradient of a strided convolution: "kernel" (the default), the
-    bundle's strided bwd_data kernels; "phases", one unit-stride bwd_data per stride phase (_bwd_data_by_phase),
-    which runs on the unit-stride kernels (the faster ones on the GPU backends, where the strided ones are
-    implicit-GEMM only) at the cost of a copy of each phase. The environment variable TD_STRIDED_BWD_DATA sets the
-    initial route."""
+    """How the torch operators compute the input gradient of a strided convolution: "kernel", the bundle's
+    strided bwd_data kernels; "phases", one unit-stride bwd_data per stride phase (_bwd_data_by_phase), which runs
+    on the unit-stride kernels at the cost of a copy of each phase; "auto" (the default), phases where a group has
+    more than one input channel and the strided kernels where it has one (depthwise). Measured through these
+    operators on the conv suite's stride-2 layers on an H200 (bench/results/suite_h200_bwd_data_phases): phases
+    1.66x the kernels on dense layers and 1.41x on grouped ones, 0.49x on depthwise ones (their direct kernels
+    handle the stride). The environment variable TD_STRIDED_BWD_DATA sets the initial route."""
     global _STRIDED_BWD_DATA
     if route not in STRIDED_BWD_DATA_ROUTES:
         raise InvalidInputError(f"strided bwd_data route {route!r}: one of {', '.join(STRIDED_BWD_DATA_ROUTES)}")
     _STRIDED_BWD_DATA = route
 
 
-set_strided_bwd_data(os.environ.get("TD_STRIDED_BWD_DATA", "kernel"))
+set_strided_bwd_data(os.environ.get("TD_STRIDED_BWD_DATA", "auto"))
 
 
-def _bwd_data_by_phase(reg, dy, w, dx, geo: _Geometry) -> bool:
-    """dx of a strided convolution as one unit-stride bwd_data per stride phase. The pixels p, p + s, p + 2s, ...
-    of dx (phase p of a dim) receive only the taps r with (p + pad_lo - r * dilation) % s == 0; those taps are
-    evenly spaced, so the phase is the bwd_data of a unit-stride convolution with that sub-filter and its own
-    dilation and padding; its rows that no dy row reaches are zero, and dy rows that reach none of its rows are left
-    out. Each phase is computed into a channels-last buffer and copied into its strided view of dx. False, with dx
-    unspecified, where a sub-problem has no kernel (the caller then runs the strided problem whole)."""
+class _Phase(NamedTuple):
+    """One stride phase of a strided bwd_data (see _bwd_data_by_phase), as index tuples made once per problem."""
+    view: tuple  # dx's slices of the phase's pixels
+    target: Optional[tuple]  # dx's slices of its pixels that a dy row reaches; None: the phase is all zero
+    whole: bool  # target is the whole view (nothing to zero)
+    dy_rows: tuple  # dy's slices of the rows that reach it
+    taps: tuple  # the filter's slices of the taps that reach it (evenly spaced)
+    geo: Optional[_Geometry]  # the unit-stride sub-problem's geometry
+
+
+def _phases(geo: _Geometry, dy_size: tuple, w_size: tuple, in_size: tuple) -> tuple:
+    """The phases of dx (see _bwd_data_by_phase). Phase p of a dim holds the pixels p, p + s, p + 2s, ...; they
+    receive only the taps r with (p + pad_lo - r * dilation) % s == 0, which are evenly spaced: the phase is the
+    bwd_data of a unit-stride convolution with that sub-filter and its own dilation and padding; its rows that no
+    dy row reaches are zero, and dy rows that reach none of its rows are left out."""
+    phases = []
+    lead = (slice(None), slice(None))
     for combo in itertools.product(*(range(s) for s in geo.stride)):
-        view = dx[(slice(None), slice(None)) + tuple(slice(p, None, s) for p, s in zip(combo, geo.stride))]
-        if view.numel() == 0:
+        lengths = [len(range(p, n, s)) for p, n, s in zip(combo, in_size, geo.stride)]
+        view = lead + tuple(slice(p, None, s) for p, s in zip(combo, geo.stride))
+        if 0 in lengths:
             continue
-        taps, dilation, pad_lo, pad_hi, rows, dy_rows = [], [], [], [], [], []
+        taps, dilation, pad_lo, pad_hi, target, dy_rows, whole = [], [], [], [], [], [], True
         for d, p in enumerate(combo):
             s, dil, lo = geo.stride[d], geo.dilation[d], geo.pad_lo[d]
-            reach = [r for r in range(w.shape[2 + d]) if (p + lo - r * dil) % s == 0]
+            reach = [r for r in range(w_size[d]) if (p + lo - r * dil) % s == 0]
             if not reach:
                 break
             sub_dil = (reach[1] - reach[0]) * dil // s if len(reach) > 1 else 1
             extent = sub_dil * (len(reach) - 1)
             q = (p + lo - reach[0] * dil) // s  # phase row i = sum over m of dy[i + q - m * sub_dil] * w[reach[m]]
             first = max(0, -q)  # the phase rows [first, last) reach a dy row
-            last = min(view.shape[2 + d], dy.shape[2 + d] - q + extent)
+            last = min(lengths[d], dy_size[d] - q + extent)
             if last <= first:
                 break
             lo_sub = q + first
             skip = max(0, lo_sub - extent)  # dy rows before it reach no phase row
-            dy_end = min(dy.shape[2 + d], last + q)
-            taps.append(reach)
+            dy_end = min(dy_size[d], last + q)
+            taps.append(slice(reach[0], reach[-1] + 1, reach[1] - reach[0] if len(reach) > 1 else 1))
             dilation.append(sub_dil)
             pad_lo.append(lo_sub - skip)
             pad_hi.append((dy_end - skip) - (last - first) - (lo_sub - skip) + extent)
-            rows.append(slice(first, last))
+            target.append(slice(p + first * s, p + (last - 1) * s + 1, s))
             dy_rows.append(slice(skip, dy_end))
+            whole = whole and first == 0 and last == lengths[d]
         if len(taps) < geo.rank:  # a dim where no tap reaches the phase: it is all zero
-            view.zero_()
+            phases.append(_Phase(view, None, False, (), (), None))
             continue
-        # the reaching taps are evenly spaced: a strided view (no index tensor to send to the device per call)
-        sub_w = w[(slice(None), slice(None), *(slice(r[0], r[-1] + 1, r[1] - r[0] if len(r) > 1 else 1) for r in taps))]
-        target = view[(slice(None), slice(None), *rows)]
+        sub = _geometry((1,) * geo.rank, tuple(dilation), tuple(pad_lo), tuple(pad_hi), geo.groups)
+        phases.append(_Phase(view, lead + tuple(target), whole, lead + tuple(dy_rows), lead + tuple(taps), sub))
+    return tuple(phases)
+
+
+def _bwd_data_by_phase(reg, dy, w, dx, geo: _Geometry) -> bool:
+    """dx of a strided convolution as one unit-stride bwd_data per stride phase (_phases, made once per problem),
+    each computed into a channels-last buffer and copied into its strided view of dx. False, with dx unspecified,
+    where a sub-problem has no kernel (the caller then runs the strided problem whole)."""
+    if dx.numel() == 0:
+        return True
+    key = (dy.shape, w.shape, dx.shape)
+    phases = geo.phase_plans.get(key)
+    if phases is None:
+        if len(geo.phase_plans) >= _MEMO_SIZE:
+            geo.phase_plans.clear()
+        phases = geo.phase_plans[key] = _phases(geo, tuple(dy.shape[2:]), tuple(w.shape[2:]), tuple(dx.shape[2:]))
+    for phase in phases:
+        if phase.target is None:
+            dx[phase.view].zero_()
+            continue
+        if not phase.whole:
+            dx[phase.view].zero_()
+        target = dx[phase.target]
         buffer = _new_channels_last(tuple(target.shape), dy)
+        sub = phase.geo
         try:
-            reg.conv_bwd_data(_channels_last(dy[(slice(None), slice(None), *dy_rows)]), _channels_last(sub_w), buffer,
-                              stride=1, dilation=dilation, pad_lo=pad_lo, pad_hi=pad_hi, groups=geo.groups)
+            conv_op.run(reg, "bwd_data", buffer, _channels_last(w[phase.taps]), _channels_last(dy[phase.dy_rows]),
+                        buffer, sub.options[0.0], sub.keys[0.0])
         except UnsupportedProblemError:
             return False
-        if target.shape != view.shape:
-            view.zero_()
         target.copy_(buffer)
     return True
 

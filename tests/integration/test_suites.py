@@ -228,6 +228,28 @@ def test_runner_conv_points_on_cpu(smoke_bundle, tmp_path):
     assert all(("copy_ms" in r) == (r["cls"] != "dense") for r in ok)  # the memory floor of memory-bound layers
 
 
+
+@pytest.mark.parametrize("route", ["kernel", "phases", "auto"])
+def test_runner_conv_through_the_torch_operators(smoke_bundle, tmp_path, route):
+    """--api torch: the operators a patched model calls, checked against the peer like the registry's calls; the
+    strided layers' input gradient by either route."""
+    import tiledispatch.torch as tdt
+    strided = [e for e in CONV["layers"] if max(e["stride"]) > 1 and "bwd_data" in e["directions"]]
+    cheapest_strided = min(strided, key=lambda e: e["flops"] // e["n"])["id"]
+    ids = sorted(set(smallest_layers()) | {cheapest_strided})
+    only = "^(" + "|".join(map(re.escape, ids)) + ")$"
+    args = ["conv", str(smoke_bundle), "--out", str(tmp_path), "--device", "cpu", "--batch", "1", "--only", only,
+            "--api", "torch"]
+    tdt.set_strided_bwd_data(route)
+    try:
+        assert suite_runner.main(args) == 0
+    finally:
+        tdt.set_strided_bwd_data("auto")
+    rows = json.loads((tmp_path / "conv.json").read_text())["rows"]
+    assert {r["status"] for r in rows} == {"ok"}, [r for r in rows if r["status"] != "ok"]
+    assert {r["direction"] for r in rows} == set(generate.DIRECTIONS)
+    assert any(r["id"] == cheapest_strided and r["direction"] == "bwd_data" for r in rows)
+
 def test_runner_gemm_two_processes_shards_and_report(smoke_bundle, tmp_path):
     for i in range(2):
         args = ["gemm", str(smoke_bundle), "--out", str(tmp_path / f"s{i}"), "--device", "cpu", "--shard", f"{i}/2",

@@ -442,18 +442,39 @@ def test_strided_bwd_data_by_phase_matches_autograd(reg, monkeypatch, spatial, f
     x = rand(2, 6, *spatial, dtype=torch.float64, seed=60)
     w = rand(6, 6 // groups, *filt, dtype=torch.float64, seed=61)
     dy = rand(2, 6, *out, dtype=torch.float64, seed=62)
-    got = tdt._conv_bwd_data_run(dy.float(), w.float(), list(spatial), tdt._geometry(stride, dil, lo, hi, groups),
-                                 tdt.register(reg))
+    geo = tdt._geometry(stride, dil, lo, hi, groups)
+    geo.phase_plans.clear()  # the geometry is memoized: an earlier test may have run it on other shapes
+    got = [tdt._conv_bwd_data_run(dy.float(), w.float(), list(spatial), geo, tdt.register(reg)) for _ in range(2)]
     xx = leaf(x)
     pad = [v for a, b in reversed(list(zip(lo, hi))) for v in (a, b)]
     conv_nd = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[rank]
     conv_nd(F.pad(xx, pad), w, stride=stride, dilation=dil, groups=groups).backward(dy)
-    assert ran == [True]
+    assert ran == [True, True] and len(geo.phase_plans) == 1  # the second call ran the phases made by the first
+    for dx in got:
+        assert rel_err(dx, xx.grad) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("groups,per_group,route", [(1, 4, "phases"), (2, 2, "phases"), (4, 1, "kernel")])
+def test_auto_strided_bwd_data_route_runs_phases_unless_depthwise(reg, monkeypatch, groups, per_group, route):
+    """"auto" (the default): by phase where a group has more than one input channel, the strided kernels where it
+    has one (measured slower by phase on the GPU)."""
+    monkeypatch.setattr(tdt, "_STRIDED_BWD_DATA", "auto")
+    ran = []
+    by_phase = tdt._bwd_data_by_phase
+    monkeypatch.setattr(tdt, "_bwd_data_by_phase", lambda *a: ran.append(by_phase(*a)) or ran[-1])
+    x = rand(2, 4, 9, 9, dtype=torch.float64, seed=63)
+    w = rand(4, per_group, 3, 3, dtype=torch.float64, seed=64)
+    dy = rand(2, 4, 5, 5, dtype=torch.float64, seed=65)
+    got = tdt._conv_bwd_data_run(dy.float(), w.float(), [9, 9], tdt._geometry((2, 2), (1, 1), (1, 1), (1, 1), groups),
+                                 tdt.register(reg))
+    xx = leaf(x)
+    F.conv2d(xx, w, stride=2, padding=1, groups=groups).backward(dy)
+    assert ran == ([True] if route == "phases" else [])
     assert rel_err(got, xx.grad) < TOL[torch.float32]
 
 
 def test_strided_bwd_data_route_is_checked():
-    with pytest.raises(td.InvalidInputError, match="one of kernel, phases"):
+    with pytest.raises(td.InvalidInputError, match="one of auto, kernel, phases"):
         tdt.set_strided_bwd_data("fast")
     env = {**os.environ, "PYTHONPATH": str(REPO / "runtime"), "TD_STRIDED_BWD_DATA": "fast"}
     proc = subprocess.run([sys.executable, "-c", "import tiledispatch.torch"], capture_output=True, text=True, env=env)
@@ -656,7 +677,7 @@ def test_gpu_cuda_graph_captures_and_replays_a_training_step():
     reg = _gpu_registry()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1, bias=False), nn.ReLU(),
-                          nn.Conv2d(32, 32, 3, padding=1, groups=32, bias=False), nn.ReLU(), nn.Flatten(),
+                          nn.Conv2d(32, 32, 3, stride=2, padding=1, groups=4, bias=False), nn.ReLU(), nn.Flatten(),
                           nn.Linear(32 * 8 * 8, 64)).cuda().half().to(memory_format=torch.channels_last)
     eager = copy.deepcopy(model)
     report = tdt.patch(model, reg)
@@ -664,7 +685,7 @@ def test_gpu_cuda_graph_captures_and_replays_a_training_step():
     tdt.patch(eager, reg)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     opt_eager = torch.optim.SGD(eager.parameters(), lr=1e-2)
-    static_x = tdt._channels_last(torch.randn(8, 16, 8, 8, device="cuda", dtype=torch.float16))
+    static_x = tdt._channels_last(torch.randn(8, 16, 16, 16, device="cuda", dtype=torch.float16))
 
     def step(m, o, x):
         o.zero_grad(set_to_none=False)
@@ -691,6 +712,7 @@ def test_gpu_cuda_graph_captures_and_replays_a_training_step():
         assert abs(static_loss.item() - loss.item()) <= 1e-3 * abs(loss.item()) + 1e-6, i
     for p, q in zip(model.parameters(), eager.parameters()):
         assert rel_err(p, q) < 1e-3
+    assert any(geo.phase_plans for geo in tdt._GEOMETRIES.values())  # the strided conv's dX ran by phase
 
 
 def test_bench_models_runs_on_the_cpu(reg, tmp_path):
