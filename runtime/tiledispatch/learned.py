@@ -14,7 +14,7 @@ import json
 import math
 from collections import OrderedDict
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -124,9 +124,31 @@ def gemm_features(problem, key) -> list[float]:
     return features(problem, [key])[0].tolist()
 
 
+class _MaskBits(NamedTuple):
+    """Leaf masks of one width: the mask's type, the float type of that width that converts a power of two
+    exactly, its bit pattern as an int, the mantissa's bits and the exponent's bias."""
+    type: type
+    float: type
+    int: type
+    mantissa: int
+    bias: int
+
+
+_MASK_32 = _MaskBits(np.uint32, np.float32, np.int32, 23, 127)
+_MASK_64 = _MaskBits(np.uint64, np.float64, np.int64, 52, 1023)
+
+
 class TreeEnsemble:
     """Sum of regression trees stored as flat node arrays. A leaf is a node that sends every row to
-    itself (feature 0, threshold +inf), so walking a fixed number of levels ends at each row's leaf."""
+    itself (feature 0, threshold +inf), so walking a fixed number of levels ends at each row's leaf.
+
+    predict() does not walk the trees: it evaluates them by leaf masks (QuickScorer, Lucchese et al. 2015). Each
+    tree's leaves, numbered left to right, are bits of a mask; a split whose test x <= threshold fails rules out
+    the leaves of its left subtree, and a row exits at the leftmost leaf no failed test ruled out. The tests that
+    fail for a value of a feature are the splits on it with a threshold below the value, a prefix of those splits
+    sorted by threshold, so per feature one table holds, for each prefix length and tree, the AND of those
+    splits' masks: a row's mask in a tree is the AND over the features of one table row each (found by binary
+    search of the row's value). numpy work per prediction: features x rows x trees, with no loop over depth."""
 
     def __init__(self, trees: dict):
         self.feature = np.asarray(trees["feature"], dtype=np.int64)
@@ -143,8 +165,69 @@ class TreeEnsemble:
             raise ValueError("tree child index out of range")
 
     def predict(self, x: np.ndarray) -> np.ndarray:
-        """One prediction per row of x (rows x features). Every (tree, row) pair walks down one level per step
-        and leaves the walk at its leaf, so the work is the pairs' actual depths, not the deepest tree's."""
+        """One prediction per row of x (rows x features)."""
+        masks = self._masks
+        if masks is None:  # a tree with more leaves than a mask has bits
+            return self.walk(x)
+        tables, leaf_values, offsets, bits = masks
+        alive = np.full((x.shape[0], len(self.roots)), ~bits.type(0))
+        for f, (thresholds, table) in tables.items():
+            alive &= table[np.searchsorted(thresholds, x[:, f], side="left")]
+        lowest = alive & (~alive + bits.type(1))  # the lowest set bit: the leftmost leaf left
+        # its index: the exponent of the power of two as a float (exact, whatever the float's width)
+        exponent = lowest.astype(bits.float).view(bits.int) >> bits.mantissa
+        return leaf_values.take(exponent + offsets).sum(axis=1)
+
+    @functools.cached_property
+    def _masks(self):
+        """Per feature (sorted thresholds of its splits, [prefix length, tree] -> AND of their masks), the
+        leaves' values [tree, leaf] and the all-leaves mask; None when a tree has more than 64 leaves."""
+        trees = len(self.roots)
+        leaves_of, masks_of, tree_of = [], {}, {}
+        left, right = self.left.tolist(), self.right.tolist()
+        for t, root in enumerate(self.roots.tolist()):
+            leaves, stack, first = [], [root], {}
+            while stack:  # depth first, left child first: the leaves in left-to-right order
+                node = stack.pop()
+                if left[node] == node:
+                    leaves.append(node)
+                    continue
+                first[node] = len(leaves)  # its subtree's first leaf; the right child's is its left subtree's end
+                stack += [right[node], left[node]]
+            if len(leaves) > 64:
+                return None
+            leaves_of.append(leaves)
+            position = {leaf: i for i, leaf in enumerate(leaves)}
+            for node, start in first.items():
+                end = first[right[node]] if right[node] in first else position[right[node]]
+                masks_of[node] = ((1 << end) - 1) ^ ((1 << start) - 1)  # its left subtree's leaves
+                tree_of[node] = t
+        width = max(map(len, leaves_of), default=1)
+        bits = _MASK_32 if width <= 32 else _MASK_64
+        leaf_values = np.zeros((trees, width))
+        for t, leaves in enumerate(leaves_of):
+            leaf_values[t, :len(leaves)] = self.value[leaves]
+        # leaf_values.take(exponent + offsets): an exponent of 2**i as a float is bias + i
+        offsets = np.arange(trees, dtype=np.int64) * width - bits.bias
+        tables = {}
+        splits = np.array(sorted(masks_of), dtype=np.int64)
+        for f in np.unique(self.feature[splits]).tolist():
+            mine = splits[self.feature[splits] == f]
+            mine = mine[np.argsort(self.threshold[mine], kind="stable")]
+            every = ~bits.type(0)
+            step = np.full((len(mine), trees), every)
+            step[np.arange(len(mine)), [tree_of[n] for n in mine.tolist()]] = [
+                every ^ bits.type(masks_of[n]) for n in mine.tolist()]
+            table = np.empty((len(mine) + 1, trees), dtype=bits.type)
+            table[0] = every
+            np.bitwise_and.accumulate(step, axis=0, out=table[1:])
+            tables[f] = (self.threshold[mine], table)
+        return tables, leaf_values.ravel(), offsets, bits
+
+    def walk(self, x: np.ndarray) -> np.ndarray:
+        """predict() by walking the trees: every (tree, row) pair goes down one level per step and leaves the walk
+        at its leaf (the reference the leaf masks are tested against, and the evaluator of trees too wide for
+        them)."""
         rows = x.shape[0]
         node = np.repeat(self.roots, rows)
         row = np.tile(np.arange(rows), len(self.roots))
@@ -279,10 +362,19 @@ def split(problem, kernels) -> tuple[list, list]:
     model = model_of(kernels)
     if model is None:
         return [], list(kernels)
+    token = (model.version, tuple(kern.name for kern in kernels))  # applies() reads the keys alone
+    covers = _COVERS.get(token)
+    if covers is None:
+        covers = _COVERS[token] = [model.applies(problem, kern.key) for kern in kernels]
+        if len(_COVERS) > 64:
+            _COVERS.popitem(last=False)
     covered, rest = [], []
-    for kern in kernels:
-        (covered if model.applies(problem, kern.key) else rest).append(kern)
+    for kern, covered_by_model in zip(kernels, covers):
+        (covered if covered_by_model else rest).append(kern)
     return covered, rest
+
+
+_COVERS: OrderedDict = OrderedDict()  # (model version, kernel names) -> whether the model applies to each
 
 
 def scores(problem, kernels) -> Optional[np.ndarray]:

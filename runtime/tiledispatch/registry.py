@@ -1,8 +1,8 @@
 """The registry: the kernels of one bundle, matched, ranked and launched.
 
 load(bundle) verifies every kernel file's sha256 and its embedded key against the manifest before
-anything runs. Selection keeps the kernels whose signature matches the problem and whose own
-td_can_run accepts it, then ranks them. run() launches exactly one kernel, once.
+anything runs. Selection ranks the kernels whose signature matches the problem and takes the first whose own
+td_can_run accepts it. run() launches exactly one kernel, once.
 """
 from __future__ import annotations
 
@@ -76,6 +76,7 @@ class Registry:
         self._launches = BoundedCache(CACHE_SIZE)
         self._selections = BoundedCache(CACHE_SIZE)
         self._explained = BoundedCache(CACHE_SIZE)
+        self._groups: Optional[tuple] = None  # (kernel count, _signature_groups)
         self._autotune = autotune
         self._tuning = tuning_cache or tuning.TuningCache(tuning.default_path())
         self._device_identity: Optional[str] = None
@@ -178,14 +179,45 @@ class Registry:
         chosen = self._selections.get(key) if named else None  # a function's ranking may change: not cached
         if chosen is not None:
             return chosen
-        fits = self._fits(problem, operands)
-        if ranker == "auto":
-            chosen = self._tuned(problem, fits) or selection.learned(problem, fits)[0]
-        else:
-            chosen = (selection.RANKERS[ranker] if named else ranker)(problem, fits)[0]
+        rank = selection.learned if ranker == "auto" else selection.RANKERS[ranker] if named else ranker
+        chosen = self._first_that_runs(problem, operands, rank) if named and not (
+            ranker == "auto" and self.tuning.records()) else None
+        if chosen is None:
+            fits = self._fits(problem, operands)
+            chosen = (ranker == "auto" and self._tuned(problem, fits)) or rank(problem, fits)[0]
         if named:
             self._selections.put(key, chosen)
         return chosen
+
+    def _first_that_runs(self, problem, operands, rank) -> Optional[Kernel]:
+        """The first kernel, in the ranker's order of the kernels whose signature matches, that td_can_run
+        accepts: the same kernel as ranking the candidates (a named ranker orders by a per-kernel score, so a
+        subset keeps its order), asking td_can_run of a few kernels instead of every one. None where the
+        candidates are known already (explain() cached them), or none runs (the caller's path then explains
+        why, or has the JIT add a kernel)."""
+        if self._explained.get((problem, None if operands is None else operands.layout_key())) is not None:
+            return None
+        ops = ops_get(problem.op)
+        args_of, matching = {}, []
+        for sig, kernels in self._signature_groups().items():
+            if not problem.mismatch(kernels[0][1].key):
+                args_of[sig] = ops.make_args(problem, kernels[0][1].key, operands)
+                matching += kernels
+        if len(args_of) > 1:
+            matching.sort(key=lambda pair: pair[0])  # the bundle's order, as the candidates have it
+        for kern in rank(problem, [kern for _, kern in matching]) if matching else ():
+            if kern.library.can_run(args_of[kern.key.signature])[0] == abi.OK:
+                return kern
+        return None
+
+    def _signature_groups(self) -> dict:
+        """signature -> [(index in self.kernels, kernel)], made again when kernels were added (the JIT appends)."""
+        if self._groups is None or self._groups[0] != len(self.kernels):
+            groups: dict = {}
+            for i, kern in enumerate(self.kernels):
+                groups.setdefault(kern.key.signature, []).append((i, kern))
+            self._groups = (len(self.kernels), groups)
+        return self._groups[1]
 
     def tune(self, problem, operands, *, top: int = TUNE_TOP, stream=None, num_threads: int = 0, **scalars) -> Kernel:
         """Time the `top` best-ranked candidates on these operands (a dict or the op's Operands), remember

@@ -50,6 +50,45 @@ def test_numpy_trees_match_lightgbm():
     np.testing.assert_allclose(model.trees.predict(x), booster.predict(x), rtol=1e-12, atol=1e-12)
 
 
+
+def random_trees(rng, trees: int, leaves: int, features: int) -> dict:
+    """A random ensemble in the flat node format (learned.TreeEnsemble), each tree grown by splitting a random
+    leaf until it has `leaves` leaves, with thresholds drawn from a few values (so rows hit them exactly)."""
+    out = {"feature": [], "threshold": [], "left": [], "right": [], "value": [], "roots": [], "depth": 0}
+
+    def node(feature, threshold, value):
+        i = len(out["feature"])
+        out["feature"].append(feature), out["threshold"].append(threshold), out["value"].append(value)
+        out["left"].append(i), out["right"].append(i)  # a leaf until split
+        return i
+
+    for _ in range(trees):
+        root = node(0, math.inf, float(rng.normal()))
+        out["roots"].append(root)
+        open_leaves, depth = [(root, 0)], {root: 0}
+        while len(open_leaves) < leaves:
+            at, d = open_leaves.pop(int(rng.integers(len(open_leaves))))
+            out["feature"][at], out["threshold"][at] = int(rng.integers(features)), float(rng.integers(-3, 4))
+            out["left"][at], out["right"][at] = (node(0, math.inf, float(rng.normal())) for _ in range(2))
+            open_leaves += [(out["left"][at], d + 1), (out["right"][at], d + 1)]
+            out["depth"] = max(out["depth"], d + 1)
+    return out
+
+
+@pytest.mark.parametrize("leaves", [1, 2, 31, 32, 33, 64, 65])
+def test_leaf_mask_evaluation_matches_the_tree_walk(leaves):
+    """predict() (leaf masks: 32-bit up to 32 leaves, 64-bit up to 64, the walk beyond) against walking the trees,
+    on rows that hit thresholds exactly, lie between and beyond them, and hold NaN and infinities."""
+    rng = np.random.default_rng(leaves)
+    ensemble = learned.TreeEnsemble(random_trees(rng, 40, leaves, 5))
+    x = rng.integers(-4, 5, size=(300, 5)).astype(np.float64) + rng.choice([0.0, 0.5], size=(300, 5))
+    x[::7, 1], x[::11, 2], x[::13, 3] = np.nan, np.inf, -np.inf
+    np.testing.assert_allclose(ensemble.predict(x), ensemble.walk(x), rtol=1e-12, atol=1e-12)
+    assert ensemble.predict(x[:0]).shape == (0,)
+    assert (ensemble._masks is None) == (leaves > 64)
+    if ensemble._masks is not None:
+        assert ensemble._masks[3].type == (np.uint32 if leaves <= 32 else np.uint64)
+
 def test_shipped_model_beat_analytic_in_training():
     model = learned.model_for("cutlass", "sm90a", "gemm")
     assert model is not None, "runtime/tiledispatch/models/cutlass_sm90a_gemm.json is missing"
