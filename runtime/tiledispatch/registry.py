@@ -303,6 +303,11 @@ class Registry:
         chosen = self._selections.get(key)
         if chosen is not None:
             return chosen
+        if not self.autotune and not self.tuning.records():  # the ranking alone decides
+            chosen = self._first_that_runs(problem, operands, selection.learned)
+            if chosen is not None:
+                self._selections.put(key, chosen)
+                return chosen
         fits = self._fits(problem, operands)
         chosen = self._tuned(problem, fits)
         if chosen is None and self.autotune:
