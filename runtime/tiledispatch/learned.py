@@ -180,8 +180,10 @@ class TreeEnsemble:
 
     @functools.cached_property
     def _masks(self):
-        """Per feature (sorted thresholds of its splits, [prefix length, tree] -> AND of their masks), the
-        leaves' values [tree, leaf] and the all-leaves mask; None when a tree has more than 64 leaves."""
+        """(per feature: the sorted thresholds of its splits and the table [prefix length, tree] -> what those
+        splits leave of the tree's leaves, the leaves' values flat [tree * width + leaf], each tree's offset into
+        them less the float exponent's bias, the _MaskBits of the width); None when a tree has more than 64
+        leaves."""
         trees = len(self.roots)
         leaves_of, masks_of, tree_of = [], {}, {}
         left, right = self.left.tolist(), self.right.tolist()
