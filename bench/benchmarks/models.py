@@ -13,12 +13,13 @@ and the model fused by tiledispatch.torch.fuse (fused: batch norms folded and co
 activation / linear -> activation chains in single calls for inference; in the training step batch norms stay
 PyTorch's, so little fuses). Every variant's output (and, for the training step, every parameter's gradient) is
 compared with eager's as ||x - eager|| / ||eager||, and the output against a tolerance: ten times the backend's
-per-kernel validation tolerance for the dtype (out_within_tolerance). The JSON records the machine, versions,
-the bundle, each variant's time (median of rounds of CUDA-event timing; eager variants include their host
-work), the patch report (kernels per layer; layers left on PyTorch and why), the fuse report (what was fused
-into what, what stayed and why), a per-layer comparison of the patched layers against PyTorch (each captured in
-a CUDA graph: kernel time without host work), and the host cost per call of the torch operators. A PNG plots
-the model times (matplotlib, when installed).
+per-kernel validation tolerance for the dtype (out_within_tolerance); for inference also with a float64 copy of
+the model on the same input (out_rel_err_fp64, eager's own included): which variant is nearer the exact result.
+The JSON records the machine, versions, the bundle, each variant's time (median of rounds of CUDA-event timing;
+eager variants include their host work), the patch report (kernels per layer; layers left on PyTorch and why),
+the fuse report (what was fused into what, what stayed and why), a per-layer comparison of the patched layers
+against PyTorch (each captured in a CUDA graph: kernel time without host work), and the host cost per call of the
+torch operators. A PNG plots the model times (matplotlib, when installed).
 
 Without torchvision (or with --tiny), small stand-ins with the same layer kinds replace the torchvision models.
 """
@@ -293,8 +294,11 @@ def run_case(case: str, a, reg, vision, timer: Timer) -> dict:
     gen = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(shape, generator=gen, device=device).to(dtype).contiguous(memory_format=fmt)
     result = {"model": what, "input": list(shape), "dtype": a.dtype, "training": training, "variants": {}}
+    truth = None
     if not training:  # inference: the batch norms hold statistics, which fuse() folds into the convs
         result["batch_norms_calibrated"] = calibrate_batch_norms(base, x)
+        with torch.no_grad():  # a float64 copy's output (no TF32 there): which variant is nearer the exact result
+            truth = copy.deepcopy(base).double()(x.double())
     gout = None
     if training:
         with torch.no_grad():
@@ -345,6 +349,8 @@ def run_case(case: str, a, reg, vision, timer: Timer) -> dict:
                     ref = state  # eager, as called: the reference of every other variant
                     result["reference_out_norm"] = state["out"].double().norm().item()  # 0: a meaningless check
                 entry = {**timer(run), **compare(state, ref, tolerance)}
+                if truth is not None:
+                    entry["out_rel_err_fp64"] = rel_err(state["out"], truth)
             except Exception as e:  # recorded and reported; the other variants still run
                 entry = {"error": f"{type(e).__name__}: {str(e)[:2000]}", "traceback": traceback.format_exc()[-3000:]}
                 if graph:
@@ -352,6 +358,7 @@ def run_case(case: str, a, reg, vision, timer: Timer) -> dict:
             entry["wall_s"] = round(time.perf_counter() - t0, 2)
             result["variants"][name] = entry
             print(f"  {case:26s} {name:24s} " + (f"{entry['median_ms']:9.3f} ms  out err {entry['out_rel_err']:.2e}"
+                  + (f" (fp64: {entry['out_rel_err_fp64']:.2e})" if "out_rel_err_fp64" in entry else "")
                   + (f"  grad err {entry['grad_rel_err_max']:.2e}" if "grad_rel_err_max" in entry else "")
                   if "median_ms" in entry else entry["error"].splitlines()[0][:200]), flush=True)
     eager = result["variants"].get("eager", {}).get("median_ms")

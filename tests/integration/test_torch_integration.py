@@ -733,6 +733,8 @@ def test_bench_models_runs_on_the_cpu(reg, tmp_path):
         r = result["cases"][case]
         assert r["variants"]["tiledispatch"]["out_rel_err"] < 1e-5, r["variants"]
         assert r["variants"]["fused"]["out_rel_err"] < 1e-5 and r["variants"]["fused"]["out_within_tolerance"]
+        # (inference) each variant against a float64 copy of the model too: float32 here, all near it
+        assert all(v["out_rel_err_fp64"] < 1e-5 for v in r["variants"].values()), r["variants"]
         assert r["fuse_report"]["patch"]["unsupported"] == 0
         assert r["patch_report"]["unsupported"] == 0 and r["unsupported_layers"] == []
         assert r["layers"] and all("tiledispatch_ms" in row and "pytorch_ms" in row for row in r["layers"])
