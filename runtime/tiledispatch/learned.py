@@ -170,9 +170,17 @@ class TreeEnsemble:
         if masks is None:  # a tree with more leaves than a mask has bits
             return self.walk(x)
         tables, leaf_values, offsets, bits = masks
-        alive = np.full((x.shape[0], len(self.roots)), ~bits.type(0))
+        varying, common = [], np.full(len(self.roots), ~bits.type(0))
         for f, (thresholds, table) in tables.items():
-            alive &= table[np.searchsorted(thresholds, x[:, f], side="left")]
+            column = x[:, f]
+            if len(column) and (column == column[0]).all():  # a feature of the problem alone: one table row for all
+                common &= table[np.searchsorted(thresholds, column[0], side="left")]
+            else:
+                varying.append((column, thresholds, table))
+        alive = np.empty((x.shape[0], len(self.roots)), dtype=bits.type)
+        alive[:] = common
+        for column, thresholds, table in varying:
+            alive &= table[np.searchsorted(thresholds, column, side="left")]
         lowest = alive & (~alive + bits.type(1))  # the lowest set bit: the leftmost leaf left
         # its index: the exponent of the power of two as a float (exact, whatever the float's width)
         exponent = lowest.astype(bits.float).view(bits.int) >> bits.mantissa

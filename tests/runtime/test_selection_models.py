@@ -83,7 +83,9 @@ def test_leaf_mask_evaluation_matches_the_tree_walk(leaves):
     ensemble = learned.TreeEnsemble(random_trees(rng, 40, leaves, 5))
     x = rng.integers(-4, 5, size=(300, 5)).astype(np.float64) + rng.choice([0.0, 0.5], size=(300, 5))
     x[::7, 1], x[::11, 2], x[::13, 3] = np.nan, np.inf, -np.inf
+    x[:, 4] = 1.0  # a column alike in every row (a feature of the problem alone), on a threshold
     np.testing.assert_allclose(ensemble.predict(x), ensemble.walk(x), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(ensemble.predict(x[5:6]), ensemble.walk(x[5:6]), rtol=1e-12, atol=1e-12)
     assert ensemble.predict(x[:0]).shape == (0,)
     assert (ensemble._masks is None) == (leaves > 64)
     if ensemble._masks is not None:
