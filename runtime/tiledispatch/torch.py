@@ -608,9 +608,9 @@ def _phases(geo: _Geometry, dy_size: tuple, w_size: tuple, in_size: tuple) -> tu
     lead = (slice(None), slice(None))
     for combo in itertools.product(*(range(s) for s in geo.stride)):
         lengths = [len(range(p, n, s)) for p, n, s in zip(combo, in_size, geo.stride)]
-        view = lead + tuple(slice(p, None, s) for p, s in zip(combo, geo.stride))
         if 0 in lengths:
             continue
+        view = lead + tuple(slice(p, None, s) for p, s in zip(combo, geo.stride))
         taps, dilation, pad_lo, pad_hi, target, dy_rows, whole = [], [], [], [], [], [], True
         for d, p in enumerate(combo):
             s, dil, lo = geo.stride[d], geo.dilation[d], geo.pad_lo[d]
