@@ -67,11 +67,7 @@ def features(problem, keys, names=None) -> np.ndarray:
     t = cost_terms(problem, keys, names)
     s = t["static"]
     token = ("features", names if names is not None else tuple(keys))
-    kc = _KEY_COLUMNS.get(token)
-    if kc is None:
-        kc = _KEY_COLUMNS[token] = _key_columns(keys)
-        if len(_KEY_COLUMNS) > 64:
-            _KEY_COLUMNS.popitem(last=False)
+    kc = _memo(_KEY_COLUMNS, token, lambda: _key_columns(keys))
     f64 = lambda a: np.asarray(a, dtype=np.float64)  # noqa: E731
     m, n, k, batch = (f64(t[c]) for c in ("m", "n", "k", "batch"))
     tm, tn, tk = f64(s.tm), f64(s.tn), f64(s.tk)
@@ -117,6 +113,16 @@ def features(problem, keys, names=None) -> np.ndarray:
 
 
 _KEY_COLUMNS: OrderedDict = OrderedDict()
+
+
+def _memo(cache: OrderedDict, token, make):
+    """cache[token], made by make() the first time; the oldest of more than 64 entries dropped."""
+    value = cache.get(token)
+    if value is None:
+        value = cache[token] = make()
+        if len(cache) > 64:
+            cache.popitem(last=False)
+    return value
 
 
 def gemm_features(problem, key) -> list[float]:
@@ -373,11 +379,7 @@ def split(problem, kernels) -> tuple[list, list]:
     if model is None:
         return [], list(kernels)
     token = (model.version, tuple(kern.name for kern in kernels))  # applies() reads the keys alone
-    covers = _COVERS.get(token)
-    if covers is None:
-        covers = _COVERS[token] = [model.applies(problem, kern.key) for kern in kernels]
-        if len(_COVERS) > 64:
-            _COVERS.popitem(last=False)
+    covers = _memo(_COVERS, token, lambda: [model.applies(problem, kern.key) for kern in kernels])
     covered, rest = [], []
     for kern, covered_by_model in zip(kernels, covers):
         (covered if covered_by_model else rest).append(kern)

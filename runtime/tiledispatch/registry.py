@@ -145,22 +145,26 @@ class Registry:
         return list(explained)
 
     def _explain(self, problem, operands) -> list[tuple[Kernel, Optional[str]]]:
-        ops = ops_get(problem.op)
+        per_signature = self._per_signature(problem, operands)
         out = []
-        # the signature match and the ABI arguments depend on the key's signature alone (the op modules' mismatch
-        # and make_args), and td_can_run takes the arguments as const: one of each per signature, not per kernel
-        per_signature: dict = {}
         for kern in self.kernels:
-            sig = kern.key.signature
-            found = per_signature.get(sig)
-            if found is None:
-                reason = problem.mismatch(kern.key)
-                found = per_signature[sig] = (reason, None if reason else ops.make_args(problem, kern.key, operands))
-            reason, args = found
+            reason, args = per_signature[kern.key.signature]
             if reason is None:
                 status, why = kern.library.can_run(args)
                 reason = None if status == abi.OK else why
             out.append((kern, reason))
+        return out
+
+    def _per_signature(self, problem, operands) -> dict:
+        """signature -> (why its kernels cannot run the problem, or None; their ABI arguments where they match).
+        Both depend on the key's signature alone (the op modules' mismatch and make_args), and td_can_run takes
+        the arguments as const: one of each per signature, not per kernel."""
+        ops = ops_get(problem.op)
+        out = {}
+        for sig, kernels in self._signature_groups().items():
+            key = kernels[0][1].key
+            reason = problem.mismatch(key)
+            out[sig] = (reason, None if reason else ops.make_args(problem, key, operands))
         return out
 
     def candidates(self, problem, operands=None) -> list[Kernel]:
@@ -197,16 +201,12 @@ class Registry:
         why, or has the JIT add a kernel)."""
         if self._explained.get((problem, None if operands is None else operands.layout_key())) is not None:
             return None
-        ops = ops_get(problem.op)
-        args_of, matching = {}, []
-        for sig, kernels in self._signature_groups().items():
-            if not problem.mismatch(kernels[0][1].key):
-                args_of[sig] = ops.make_args(problem, kernels[0][1].key, operands)
-                matching += kernels
-        if len(args_of) > 1:
-            matching.sort(key=lambda pair: pair[0])  # the bundle's order, as the candidates have it
+        per_signature = self._per_signature(problem, operands)
+        groups = self._signature_groups()
+        matching = [pair for sig, (reason, _) in per_signature.items() if reason is None for pair in groups[sig]]
+        matching.sort(key=lambda pair: pair[0])  # the bundle's order, as the candidates have it
         for kern in rank(problem, [kern for _, kern in matching]) if matching else ():
-            if kern.library.can_run(args_of[kern.key.signature])[0] == abi.OK:
+            if kern.library.can_run(per_signature[kern.key.signature][1])[0] == abi.OK:
                 return kern
         return None
 
