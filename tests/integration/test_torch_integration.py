@@ -723,7 +723,8 @@ def test_bench_models_runs_on_the_cpu(reg, tmp_path):
     bundle = Path(reg.kernels[0].path).parents[1]  # <bundle>/kernels/<kernel>.so
     env = {**os.environ, "PYTHONPATH": str(REPO / "runtime")}
     cmd = [sys.executable, str(REPO / "bench" / "benchmarks" / "models.py"), "--device", "cpu", "--tiny", "--quick",
-           "--bundle", str(bundle), "--models", "llama3_8b_decode8,convnext_tiny,mobilenet_v2,resnet50", "--variants",
+           "--bundle", str(bundle), "--models", "llama3_8b_decode8,convnext_tiny,mobilenet_v2,resnet50,resnet50_train",
+           "--variants",
            "eager,tiledispatch,fused",
            "--out", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
@@ -738,12 +739,48 @@ def test_bench_models_runs_on_the_cpu(reg, tmp_path):
         assert r["fuse_report"]["patch"]["unsupported"] == 0
         assert r["patch_report"]["unsupported"] == 0 and r["unsupported_layers"] == []
         assert r["layers"] and all("tiledispatch_ms" in row and "pytorch_ms" in row for row in r["layers"])
+    # the training step: outputs and every gradient against eager's and against the float64 model's
+    for name, v in result["cases"]["resnet50_train"]["variants"].items():
+        assert v["out_within_tolerance"] and v["out_rel_err_fp64"] < 1e-5, (name, v)
+        assert v["grad_rel_err_max"] < 1e-4 and v["grad_rel_err_fp64_max"] < 1e-4, (name, v)
     # MobileNetV2's stand-in: every conv with its folded batch norm (and ReLU6 / residual) in one call
     fused = result["cases"]["mobilenet_v2"]["fuse_report"]["fused"]
+    # the folded parameters alone in a float64 model: float32 folding here, so near the exact model
+    assert 0 < result["cases"]["mobilenet_v2"]["folded_model_rel_err_fp64"] < 1e-5
     assert len(fused) == 7 and all("batch norm folded" in f["epilogue"] for f in fused)
     assert result["host_overhead"]["tiledispatch.torch.linear"]["median_us"] > 0
     assert set(result["host_overhead"]["registration"]) == {"python function", "Library define + impl",
                                                             "torch.library.custom_op"}
+
+
+def test_bench_models_tolerance_is_eager_near_or_no_farther_from_float64():
+    """models.py's accuracy verdict: a variant passes near eager's output, or when it is no farther from the float64
+    model's output than eager is, by more than the tolerance (two fp16 computations of a deep model can differ by
+    more than the tolerance while both are as near the exact result)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_models", REPO / "bench" / "benchmarks" / "models.py")
+    models = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(models)
+    exact = torch.zeros(1000, dtype=torch.float64)
+    exact[0] = 1.0
+    eager_out = exact.clone()
+    eager_out[1] = 0.02  # 2e-2 from the exact output
+    eager = models.compare({"out": eager_out}, {"out": eager_out}, 0.01, {"out": exact}, None)
+    assert eager["out_within_tolerance"] and eager["out_rel_err_fp64"] == pytest.approx(0.02)
+
+    def variant(v1, v2):
+        out = exact.clone()
+        out[1], out[2] = v1, v2
+        return models.compare({"out": out}, {"out": eager_out}, 0.01, {"out": exact}, eager)
+
+    near = variant(0.0, 0.025)  # 3.2e-2 from eager, 2.5e-2 from the exact output: within 2e-2 + 1e-2
+    assert near["out_rel_err"] > 0.01 and near["out_within_tolerance"]
+    far = variant(0.0, 0.035)  # 3.5e-2 from the exact output
+    assert not far["out_within_tolerance"]
+    assert variant(0.025, 0.0)["out_within_tolerance"]  # 5e-3 from eager's output
+    # without a float64 reference only the distance to eager counts
+    assert not models.compare({"out": exact}, {"out": eager_out}, 0.01, None, None)["out_within_tolerance"]
 
 
 @pytest.mark.parametrize("activation", list(td.reference.ACTIVATIONS))
