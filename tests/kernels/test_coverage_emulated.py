@@ -106,6 +106,9 @@ def test_generic_kernel_validates(build, direction, rank):
                                                    (1, 1, 0), (2, 0, 1), "fp16", "fp16", "fp16")),
     ("audio-like fwd", conv.ConvProblem("fwd", 2, 1, 1, 24, (203,), (10,), (5,), (1,), (0,), (0,),
                                         "fp16", "fp16", "fp16")),
+    # a filter row (7 taps x 3 channels = 21 values) spans chunks of 8 across taps
+    ("stem fwd", conv.ConvProblem("fwd", 1, 1, 3, 16, (40, 41), (7, 7), (2, 2), (1, 1), (3, 3), (3, 3),
+                                  "fp16", "fp16", "fp16")),
 ])
 def test_generic_kernel_runs_the_issue_layers(build, label, problem):
     """Small versions of the issue's layers (the real ones are timed on the GPU: bench/benchmarks/coverage_gpu_run.sh), on the
