@@ -106,7 +106,7 @@ def test_generic_kernel_validates(build, direction, rank):
                                                    (1, 1, 0), (2, 0, 1), "fp16", "fp16", "fp16")),
     ("audio-like fwd", conv.ConvProblem("fwd", 2, 1, 1, 24, (203,), (10,), (5,), (1,), (0,), (0,),
                                         "fp16", "fp16", "fp16")),
-    # a filter row (7 taps x 3 channels = 21 values) spans chunks of 8 across taps
+    # a 3-channel 7x7 stride-2 stem (ResNet's): each tap's channels a partial chunk of 8, padding on every side
     ("stem fwd", conv.ConvProblem("fwd", 1, 1, 3, 16, (40, 41), (7, 7), (2, 2), (1, 1), (3, 3), (3, 3),
                                   "fp16", "fp16", "fp16")),
 ])

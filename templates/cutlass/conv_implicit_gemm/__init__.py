@@ -6,9 +6,8 @@ run time into an fp32 workspace); warps [m, n, 1]; C/G and K/G must be multiples
 split_k 1, cluster [1, 1, 1].
 
 Extra cutlass.align 1: the generic kernel (DESIGN.md invariant 10): any channel count, pointer and stride. The
-reduction's channels per group are padded to chunks of 8 (zeros past the group's end; fwd packs a filter row's taps
-with their channels first, padding per row), chunks are loaded element by element (no cp.async) and outputs stored
-element by element; the ranker puts it last (cost_factor).
+reduction's channels per group are padded to chunks of 8 (zeros past the group's end), chunks are loaded element by
+element (no cp.async) and outputs stored element by element; the ranker puts it last (cost_factor).
 
 A strided bwd_data (every kernel of the family) walks the input pixels phase by phase (stride phases): a tile inside
 one phase skips the taps that reach none of its pixels (3 of 4 at stride 2 in 2D, 4 of 5 at stride 5 in 1D; all of
@@ -69,16 +68,14 @@ def refusal(problem, key):
     """Why the kernel's td_can_run refuses the problem (dense channels-last operands), None when it runs it:
     conv_igemm.cu.j2's check_chunks (8-channel chunks) and its 32-bit GEMM and tile-count bounds."""
     cg, kg = problem.c // problem.g, problem.k // problem.g
-    *rows, row_taps = (1, 1, *problem.filter_size)[-3:]
-    row_len = row_taps * cg  # the generic fwd kernel packs a filter row's taps with their channels
-    if generic(key):  # the reduction walks C/G (bwd_weight) or K/G (bwd_data) in whole chunks of 8
+    if generic(key):  # the reduction walks C/G (fwd, bwd_weight) or K/G (bwd_data) in whole chunks of 8
         cg, kg = -(-cg // 8) * 8, -(-kg // 8) * 8
     elif cg % 8 or kg % 8:
         return f"implicit_gemm moves 8 channels at a time: C/G ({cg}) and K/G ({kg}) must be multiples of 8"
     m, n, k, _ = problem.gemm_shape()
     taps = math.prod(problem.filter_size)
     if problem.direction == "fwd":
-        k = math.prod(rows) * -(-row_len // 8) * 8 if generic(key) else taps * cg
+        k = taps * cg
     elif problem.direction == "bwd_data":
         k = taps * kg
     else:
