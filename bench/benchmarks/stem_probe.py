@@ -1,0 +1,104 @@
+"""The 3-channel stems (ResNet-50's 7x7 and MobileNetV2's 3x3, stride 2, fp16, batch 32, 224^2, channels-last) on the
+GPU: cuDNN (benchmark mode) against each kernel of a bundle, C = 3 on the generic implicit GEMM (cutlass.align 1) and
+C zero-padded to 8 on the aligned kernels, with the copy of X into the zero channels of a kept buffer timed on its
+own; every time in CUDA graphs (no host work), every output checked against cuDNN's.
+
+    scons kernels=bench/sets/conv_stem_probe.yaml backend=cutlass arch=sm90a bundle=stem_probe
+    python3 bench/benchmarks/stem_probe.py --bundle build/stem_probe [--out DIR]    # DIR/stem_probe_<gpu>.json
+
+Why: the generic kernel takes 0.33 ms on ResNet-50's stem where cuDNN takes 0.083 (bench/results/stem_probe_h200),
+and its reduction already pads each tap's 3 channels to 8; the aligned kernels would compute the same padded
+reduction with 16-byte loads and stores.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import _gpu_common as gc  # noqa: E402
+import tiledispatch as td  # noqa: E402
+
+STEMS = {"resnet50": (64, 7, 3), "mobilenet_v2": (32, 3, 1)}  # K, filter, padding; stride 2, C = 3
+
+
+def graph_ms(fn, reps: int = 20, rounds: int = 5) -> float:
+    """Milliseconds per call: reps calls captured in a CUDA graph, the graph replayed `rounds` times."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(), fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(rounds):
+        graph.replay()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) / (rounds * reps)
+
+
+def padded(t: torch.Tensor, channels: int) -> torch.Tensor:
+    """t with its channel dim zero-padded, channels-last."""
+    out = torch.zeros(t.shape[0], channels, *t.shape[2:], device=t.device, dtype=t.dtype)
+    out = out.contiguous(memory_format=torch.channels_last)
+    out[:, :t.shape[1]].copy_(t)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bundle", required=True)
+    ap.add_argument("--out", default=os.environ.get("OUT", str(Path(__file__).resolve().parents[1] / "results")))
+    a = ap.parse_args()
+    torch.backends.cudnn.benchmark = True
+    reg = td.load(a.bundle)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    results = {"machine": gc.machine(), "cudnn": torch.backends.cudnn.version(), "bundle": a.bundle, "stems": {}}
+    for name, (k, f, pad) in STEMS.items():
+        x = gc.random_tensor((32, 3, 224, 224), "fp16", gen).contiguous(memory_format=torch.channels_last)
+        w = gc.random_tensor((k, 3, f, f), "fp16", gen).contiguous(memory_format=torch.channels_last)
+        ref = F.conv2d(x, w, stride=2, padding=pad)
+        x8, w8 = padded(x, 8), padded(w, 8)
+        row = {"cudnn_ms": graph_ms(lambda: F.conv2d(x, w, stride=2, padding=pad)),
+               "pad_copy_ms": graph_ms(lambda: x8[:, :3].copy_(x)), "kernels": {}}
+        for kernel in reg.kernels:
+            generic = kernel.key.algorithm.extra("cutlass.align", 0) == 1
+            xi, wi = (x, w) if generic else (x8, w8)
+            y = gc.poisoned(ref.shape, "fp16").contiguous(memory_format=torch.channels_last)
+
+            def call(xi=xi, wi=wi, y=y, kernel=kernel):
+                reg.conv_fwd(xi, wi, out=y, stride=2, padding=pad, groups=1, kernel=kernel.name)
+            try:
+                call()
+                torch.cuda.synchronize()
+            except td.TileDispatchError as e:
+                row["kernels"][kernel.name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+                continue
+            err = ((y.double() - ref.double()).norm() / ref.double().norm()).item()
+            row["kernels"][kernel.name] = {"channels": 3 if generic else 8, "ms": graph_ms(call), "rel_err_vs_cudnn": err}
+            print(f"{name:13s} C={3 if generic else 8} {kernel.name[:110]}  {row['kernels'][kernel.name]['ms']:.4f} ms"
+                  f"  err {err:.1e}", flush=True)
+        print(f"{name:13s} cuDNN {row['cudnn_ms']:.4f} ms, pad copy {row['pad_copy_ms']:.4f} ms", flush=True)
+        results["stems"][name] = row
+    gpu = results["machine"]["gpu"].split()[-1].lower()
+    path = Path(a.out) / f"stem_probe_{gpu}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
