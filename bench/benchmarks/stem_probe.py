@@ -23,31 +23,17 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _gpu_common as gc  # noqa: E402
+import models  # noqa: E402  (bench/benchmarks/models.py: its CUDA-graph runner and timer)
 import tiledispatch as td  # noqa: E402
+
+TIMER = models.Timer("cuda", rounds=5, target_ms=5)
 
 STEMS = {"resnet50": (64, 7, 3), "mobilenet_v2": (32, 3, 1)}  # K, filter, padding; stride 2, C = 3
 
 
-def graph_ms(fn, reps: int = 20, rounds: int = 5) -> float:
-    """Milliseconds per call: reps calls captured in a CUDA graph, the graph replayed `rounds` times."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn(), fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(rounds):
-        graph.replay()
-    stop.record()
-    stop.synchronize()
-    return start.elapsed_time(stop) / (rounds * reps)
+def graph_ms(fn) -> float:
+    """Milliseconds per call, fn captured in a CUDA graph and replayed (models.py's timing: median of rounds)."""
+    return TIMER(models.runner(fn, "cuda", True, warmup=2))["median_ms"]
 
 
 def padded(t: torch.Tensor, channels: int) -> torch.Tensor:

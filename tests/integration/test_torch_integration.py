@@ -724,8 +724,7 @@ def test_bench_models_runs_on_the_cpu(reg, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO / "runtime")}
     cmd = [sys.executable, str(REPO / "bench" / "benchmarks" / "models.py"), "--device", "cpu", "--tiny", "--quick",
            "--bundle", str(bundle), "--models", "llama3_8b_decode8,convnext_tiny,mobilenet_v2,resnet50,resnet50_train",
-           "--variants",
-           "eager,tiledispatch,fused",
+           "--variants", "eager,tiledispatch,fused",
            "--out", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -743,10 +742,10 @@ def test_bench_models_runs_on_the_cpu(reg, tmp_path):
     for name, v in result["cases"]["resnet50_train"]["variants"].items():
         assert v["out_within_tolerance"] and v["out_rel_err_fp64"] < 1e-5, (name, v)
         assert v["grad_rel_err_max"] < 1e-4 and v["grad_rel_err_fp64_max"] < 1e-4, (name, v)
-    # MobileNetV2's stand-in: every conv with its folded batch norm (and ReLU6 / residual) in one call
-    fused = result["cases"]["mobilenet_v2"]["fuse_report"]["fused"]
     # the folded parameters alone in a float64 model: float32 folding here, so near the exact model
     assert 0 < result["cases"]["mobilenet_v2"]["folded_model_rel_err_fp64"] < 1e-5
+    # MobileNetV2's stand-in: every conv with its folded batch norm (and ReLU6 / residual) in one call
+    fused = result["cases"]["mobilenet_v2"]["fuse_report"]["fused"]
     assert len(fused) == 7 and all("batch norm folded" in f["epilogue"] for f in fused)
     assert result["host_overhead"]["tiledispatch.torch.linear"]["median_us"] > 0
     assert set(result["host_overhead"]["registration"]) == {"python function", "Library define + impl",
