@@ -1,7 +1,7 @@
 """The 3-channel stems (ResNet-50's 7x7 and MobileNetV2's 3x3, stride 2, fp16, batch 32, 224^2, channels-last) on the
-GPU: cuDNN (benchmark mode) against each kernel of a bundle, C = 3 on the generic implicit GEMM (cutlass.align 1) and
-C zero-padded to 8 on the aligned kernels, with the copy of X into the zero channels of a kept buffer timed on its
-own; every time in CUDA graphs (no host work), every output checked against cuDNN's.
+GPU, fwd and bwd_weight: cuDNN (benchmark mode) against each kernel of a bundle, C = 3 on the generic implicit GEMM
+(cutlass.align 1) and C zero-padded to 8 on the aligned kernels (bwd_weight: dW's first 3 channels kept), with the
+copy of X into the zero channels of a kept buffer timed on its own; every time in CUDA graphs (no host work), every output checked against cuDNN's.
 
     scons kernels=bench/sets/conv_stem_probe.yaml backend=cutlass arch=sm90a bundle=stem_probe
     python3 bench/benchmarks/stem_probe.py --bundle build/stem_probe [--out DIR]    # DIR/stem_probe_<gpu>.json
@@ -58,26 +58,42 @@ def main() -> None:
         w = gc.random_tensor((k, 3, f, f), "fp16", gen).contiguous(memory_format=torch.channels_last)
         ref = F.conv2d(x, w, stride=2, padding=pad)
         x8, w8 = padded(x, 8), padded(w, 8)
+        dy = gc.random_tensor(ref.shape, "fp16", gen).contiguous(memory_format=torch.channels_last)
+        ref_dw = torch.nn.grad.conv2d_weight(x, w.shape, dy, stride=2, padding=pad)
         row = {"cudnn_ms": graph_ms(lambda: F.conv2d(x, w, stride=2, padding=pad)),
+               "cudnn_bwd_weight_ms": graph_ms(lambda: torch.nn.grad.conv2d_weight(x, w.shape, dy, stride=2,
+                                                                                     padding=pad)),
                "pad_copy_ms": graph_ms(lambda: x8[:, :3].copy_(x)), "kernels": {}}
         for kernel in reg.kernels:
             generic = kernel.key.algorithm.extra("cutlass.align", 0) == 1
+            direction = kernel.key.signature.direction
             xi, wi = (x, w) if generic else (x8, w8)
-            y = gc.poisoned(ref.shape, "fp16").contiguous(memory_format=torch.channels_last)
+            if direction == "fwd":
+                expect = ref
+                y = gc.poisoned(ref.shape, "fp16").contiguous(memory_format=torch.channels_last)
 
-            def call(xi=xi, wi=wi, y=y, kernel=kernel):
-                reg.conv_fwd(xi, wi, out=y, stride=2, padding=pad, groups=1, kernel=kernel.name)
+                def call(xi=xi, wi=wi, y=y, kernel=kernel):
+                    reg.conv_fwd(xi, wi, out=y, stride=2, padding=pad, groups=1, kernel=kernel.name)
+            else:
+                expect = ref_dw
+                y = gc.poisoned(wi.shape, "fp16").contiguous(memory_format=torch.channels_last)
+
+                def call(xi=xi, y=y, kernel=kernel):
+                    reg.conv_bwd_weight(xi, dy, out=y, stride=2, padding=pad, groups=1, kernel=kernel.name)
             try:
                 call()
                 torch.cuda.synchronize()
             except td.TileDispatchError as e:
                 row["kernels"][kernel.name] = {"error": f"{type(e).__name__}: {e}"[:500]}
                 continue
-            err = ((y.double() - ref.double()).norm() / ref.double().norm()).item()
-            row["kernels"][kernel.name] = {"channels": 3 if generic else 8, "ms": graph_ms(call), "rel_err_vs_cudnn": err}
-            print(f"{name:13s} C={3 if generic else 8} {kernel.name[:110]}  {row['kernels'][kernel.name]['ms']:.4f} ms"
-                  f"  err {err:.1e}", flush=True)
-        print(f"{name:13s} cuDNN {row['cudnn_ms']:.4f} ms, pad copy {row['pad_copy_ms']:.4f} ms", flush=True)
+            got = y if direction == "fwd" else y[:, :3]
+            err = ((got.double() - expect.double()).norm() / expect.double().norm()).item()
+            row["kernels"][kernel.name] = {"direction": direction, "channels": 3 if generic else 8,
+                                           "ms": graph_ms(call), "rel_err_vs_cudnn": err}
+            print(f"{name:13s} {direction:10s} C={3 if generic else 8} {kernel.name[:100]}  "
+                  f"{row['kernels'][kernel.name]['ms']:.4f} ms  err {err:.1e}", flush=True)
+        print(f"{name:13s} cuDNN fwd {row['cudnn_ms']:.4f} ms, bwd_weight {row['cudnn_bwd_weight_ms']:.4f} ms, "
+              f"pad copy {row['pad_copy_ms']:.4f} ms", flush=True)
         results["stems"][name] = row
     gpu = results["machine"]["gpu"].split()[-1].lower()
     path = Path(a.out) / f"stem_probe_{gpu}.json"

@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .backends import family_of
 from .errors import InvalidInputError, UnsupportedProblemError
 from .ops import conv as conv_op
 from .ops import conv_as_gemm
@@ -400,6 +401,77 @@ def _geometry(stride, dilation, pad_lo, pad_hi, groups) -> _Geometry:
     return geo
 
 
+# -- channel padding ---------------------------------------------------------------------------------------
+# A dense conv whose channel count C is not a multiple of the aligned kernels' vector (16 bytes: 8 fp16 channels) runs
+# on a backend's fallback kernel (the family's cost_factor > 1: cutlass's generic implicit GEMM, element-wise loads).
+# Where the same conv with X and W zero-padded to whole vectors selects an ordinary kernel, it runs that way: the
+# extra channels add zeros to every sum, the output is unchanged (fwd; bwd_weight keeps dW's first C channels), and
+# the copy costs a pass over X. Measured on the H200 (bench/results/stem_probe_h200, batch 32): ResNet-50's 7x7 stem
+# (C = 3) fwd 0.32 -> 0.20 ms + 0.012 for the copy, bwd_weight 0.71 -> 0.40; MobileNetV2's 3x3 stem 0.10 -> 0.073,
+# 0.18 -> 0.12.
+_PLAIN_EPILOGUE = Epilogue()
+_PAD_ROUTES: dict = {}  # (handle, direction, dtype, shapes, geometry, epilogue) -> padded channel count, or 0
+
+
+def _vector_channels(t: torch.Tensor) -> int:
+    """Channels in one 16-byte access of t's dtype."""
+    return max(1, 16 // t.element_size())
+
+
+def _runs_on_fallback(reg: Registry, problem: ConvProblem) -> Optional[bool]:
+    """Whether the kernel the registry selects for the problem is its family's fallback (cost_factor > 1); None
+    when no kernel of the bundle runs it."""
+    try:
+        kern = reg.select(problem)
+    except (InvalidInputError, UnsupportedProblemError):
+        return None
+    return family_of(kern.key).cost_factor(kern.key) > 1
+
+
+def _channel_padding(handle: int, direction: str, x: torch.Tensor, k: int, filter_size: tuple, geo: _Geometry,
+                     epilogue: Epilogue) -> int:
+    """The channel count to zero-pad a dense conv's X (and fwd's W) to, or 0 to run it as it is (see above);
+    cached per problem."""
+    key = (handle, direction, x.dtype, x.shape, k, filter_size, geo.stride, geo.dilation, geo.pad_lo, geo.pad_hi,
+           epilogue)
+    wide = _PAD_ROUTES.get(key)
+    if wide is None:
+        vector = _vector_channels(x)
+        wide, c = -(-x.shape[1] // vector) * vector, x.shape[1]
+        reg = registry_of(handle)
+
+        def problem(channels: int) -> ConvProblem:
+            dtype = _dtype_name(x, "x")
+            return ConvProblem(direction, x.shape[0], 1, channels, k, tuple(x.shape[2:]), filter_size, geo.stride,
+                               geo.dilation, geo.pad_lo, geo.pad_hi, dtype, dtype, dtype, epilogue=epilogue)
+        try:
+            as_is, padded = _runs_on_fallback(reg, problem(c)), _runs_on_fallback(reg, problem(wide))
+        except InvalidInputError:  # dtypes or shapes the plain path's checks refuse, with their own message
+            as_is = padded = None
+        if padded is not False or as_is is False:
+            wide = 0
+        if len(_PAD_ROUTES) >= _MEMO_SIZE:
+            _PAD_ROUTES.clear()
+        _PAD_ROUTES[key] = wide
+    return wide
+
+
+def _zero_padded_channels(t: torch.Tensor, channels: int) -> torch.Tensor:
+    """A channels-last copy of t [N or K, C, spatial...] with zero channels appended up to `channels`."""
+    out = _new_channels_last((t.shape[0], channels, *t.shape[2:]), t)
+    out[:, t.shape[1]:].zero_()
+    out[:, :t.shape[1]].copy_(t)
+    return out
+
+
+def _padded_operands(handle: int, x: torch.Tensor, w: torch.Tensor, geo: _Geometry, epilogue: Epilogue) -> tuple:
+    """fwd's (x, w), zero-padded in their channels where _channel_padding says so."""
+    wide = _channel_padding(handle, "fwd", x, w.shape[0], tuple(w.shape[2:]), geo, epilogue)
+    if not wide:
+        return x, w
+    return _zero_padded_channels(x, wide), _zero_padded_channels(w, wide)
+
+
 def _check_conv_dtypes(*tensors) -> None:
     first = tensors[0][1]
     for role, t in tensors:
@@ -426,6 +498,8 @@ def _conv_fwd_run(x, w, geo: _Geometry, handle: int):
         _check_conv_dtypes(("x", x), ("w", w))
     reg = _registry_for(handle, x)
     xc, wc = _channels_last(x), _channels_last(w)
+    if geo.groups == 1 and xc.shape[1] % _vector_channels(xc):
+        xc, wc = _padded_operands(handle, xc, wc, geo, _PLAIN_EPILOGUE)
     y = _new_channels_last(geo.fwd_shape(xc, wc), xc)
     conv_op.run(reg, "fwd", xc, wc, y, y, geo.options[0.0], geo.keys[0.0])
     if xc is x and wc is w:
@@ -445,6 +519,8 @@ def _conv_fwd_epilogue_run(x, w, bias, residuals, activation: str, clamp: tuple,
     if activation not in ACTIVATIONS:
         raise InvalidInputError(f"unknown activation {activation!r} (known: {', '.join(ACTIVATIONS)})")
     xc, wc = _channels_last(x), _channels_last(w)
+    if geo.groups == 1 and xc.shape[1] % _vector_channels(xc):
+        xc, wc = _padded_operands(handle, xc, wc, geo, Epilogue(activation, bias is not None, len(residuals)))
     in_place = xc is x and wc is w and all(_channels_last(r) is r for r in residuals)  # the caller's memory, as given
     x, w = xc, wc
     shape = geo.fwd_shape(x, w)
@@ -685,7 +761,15 @@ def _conv_bwd_weight_run(x, dy, filter_size, geo: _Geometry, handle: int):
         _check_conv_dtypes(("x", x), ("dy", dy))
     reg = _registry_for(handle, x)
     x, dy = _channels_last(x), _channels_last(dy)
-    dw = _new_channels_last((dy.shape[1], x.shape[1] // geo.groups, *filter_size), x)
+    channels = x.shape[1] // geo.groups
+    if geo.groups == 1 and channels % _vector_channels(x):
+        wide = _channel_padding(handle, "bwd_weight", x, dy.shape[1], tuple(filter_size), geo, _PLAIN_EPILOGUE)
+        if wide:  # dW of the zero-padded X, its first C channels
+            x = _zero_padded_channels(x, wide)
+            dw = _new_channels_last((dy.shape[1], wide, *filter_size), x)
+            conv_op.run(reg, "bwd_weight", x, dw, dy, dw, geo.options[0.0], geo.keys[0.0])
+            return _channels_last(dw[:, :channels])
+    dw = _new_channels_last((dy.shape[1], channels, *filter_size), x)
     return conv_op.run(reg, "bwd_weight", x, dw, dy, dw, geo.options[0.0], geo.keys[0.0])
 
 

@@ -481,6 +481,56 @@ def test_strided_bwd_data_route_is_checked():
     assert proc.returncode != 0 and "strided bwd_data route 'fast'" in proc.stderr
 
 
+@pytest.mark.parametrize("activation", ["identity", "relu"])
+@pytest.mark.parametrize("rank", [1, 2, 3])
+def test_small_channel_convs_run_zero_padded_where_the_as_is_kernel_is_a_fallback(reg, monkeypatch, rank, activation):
+    """A dense conv with C = 3 whose kernel would be its family's fallback runs with X and W zero-padded to whole
+    16-byte vectors (fp32: 4 channels) where the padded problem selects an ordinary kernel: the output, grad X and
+    grad W (bwd_weight on the padded X, its first C channels) match torch's autograd in float64. The cpu kernels
+    are no fallbacks: the test says which are."""
+    monkeypatch.setattr(tdt, "_runs_on_fallback", lambda registry, problem: problem.c % 4 != 0)
+    tdt._PAD_ROUTES.clear()
+    calls = _routed_calls(monkeypatch, reg)
+    seen = []
+    from tiledispatch.ops import conv as conv_op
+    spied = conv_op.run
+    monkeypatch.setattr(conv_op, "run", lambda registry, direction, x, w, *a: seen.append(
+        (direction, x.shape[1] if x is not None else None, w.shape[1] if w is not None else None))
+        or spied(registry, direction, x, w, *a))
+    size = (9, 8, 7)[:rank]
+    x, w, b = rand(2, 3, *size, seed=66), rand(5, 3, *(3,) * rank, seed=67), rand(5, seed=68)
+    xs, ws, bs = leaf(x), leaf(w), leaf(b)
+    out = tdt.conv(xs, ws, bs, registry=reg, stride=2, padding=1, activation=activation)
+    xr, wr, br = leaf(x.double()), leaf(w.double()), leaf(b.double())
+    conv_nd = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[rank]
+    ref = conv_nd(xr, wr, br, stride=2, padding=1)
+    ref = ref.relu() if activation == "relu" else ref
+    assert out.shape == ref.shape and rel_err(out, ref) < TOL[torch.float32]
+    g = rand(*out.shape, seed=69)
+    out.backward(g)
+    ref.backward(g.double())
+    for mine, theirs in ((xs, xr), (ws, wr), (bs, br)):
+        assert mine.grad.shape == theirs.grad.shape and rel_err(mine.grad, theirs.grad) < GRAD_TOL[torch.float32]
+    # fwd: X [N, 4, ...] and W [K, 4, ...]; bwd_data (grad X, C = 3 out) as it is; bwd_weight: X padded, dW [K, 4]
+    assert ("fwd", 4, 4) in seen and ("bwd_weight", 4, 4) in seen and ("bwd_data", 3, 3) in seen
+    assert not any(c == 3 for d, c, _ in seen if d != "bwd_data") and "conv_fwd" in calls
+
+
+def test_channel_padding_keeps_ordinary_kernels_and_refusals_as_they_are(reg):
+    """With the real answer (the cpu kernels are no fallbacks) nothing is padded; a problem no kernel runs keeps the
+    plain path's error."""
+    tdt._PAD_ROUTES.clear()
+    x, w = rand(2, 3, 9, 9, seed=70), rand(5, 3, 3, 3, seed=71)
+    geo = tdt._geometry((1, 1), (1, 1), (1, 1), (1, 1), 1)
+    handle = tdt.register(reg)
+    assert tdt._padded_operands(handle, tdt._channels_last(x), tdt._channels_last(w), geo, tdt._PLAIN_EPILOGUE)[0] \
+        .shape[1] == 3
+    assert set(tdt._PAD_ROUTES.values()) == {0}
+    x64 = rand(2, 3, 9, 9, dtype=torch.float64, seed=72)
+    with pytest.raises(td.UnsupportedProblemError, match="no kernel"):  # the bundle has no fp64 conv
+        tdt.conv(x64, x64.new_ones(5, 3, 3, 3), registry=reg, padding=1)
+
+
 def _remembered(registry) -> int:
     """How many calls the eager fast path keeps in the registry's launch cache."""
     return sum(type(v).__name__ == "_FastCall" for v in registry._launches.values())
