@@ -1,0 +1,98 @@
+"""The channel-padding route of tiledispatch.torch on the GPU: dense convs whose C is not a multiple of 8 (the
+3-channel stems of ResNet-50 and the 3D video models, wav2vec2's 1-channel front end, small odd C), fwd and
+bwd_weight, run as they are (the generic implicit GEMM) and with X / W zero-padded to whole 16-byte vectors (the
+aligned kernels; the copy included), against cuDNN (benchmark mode); CUDA graphs, outputs checked against float32.
+
+    scons kernels=bench/sets/channel_padding.yaml backend=cutlass arch=sm90a bundle=channel_padding
+    python3 bench/benchmarks/channel_padding.py --bundle build/channel_padding [--out DIR]  # channel_padding_<gpu>.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import _gpu_common as gc  # noqa: E402
+import models  # noqa: E402  (bench/benchmarks/models.py: its CUDA-graph runner and timer)
+import tiledispatch as td  # noqa: E402
+import tiledispatch.torch as tdt  # noqa: E402
+
+TIMER = models.Timer("cuda", rounds=5, target_ms=5)
+# name: (x shape, K, filter, stride, padding), from the real-workload suite's models
+LAYERS = {
+    "wav2vec2_conv0": ((32, 1, 16000), 512, (10,), (5,), (0,)),
+    "r3d_18_stem": ((8, 3, 16, 112, 112), 64, (3, 7, 7), (1, 2, 2), (1, 3, 3)),
+    "r2plus1d_18_stem": ((8, 3, 16, 112, 112), 45, (1, 7, 7), (1, 2, 2), (0, 3, 3)),
+    "resnet50_stem": ((32, 3, 224, 224), 64, (7, 7), (2, 2), (3, 3)),
+    "c5_3x3": ((32, 5, 64, 64), 64, (3, 3), (1, 1), (1, 1)),
+    "c12_3x3": ((32, 12, 56, 56), 64, (3, 3), (1, 1), (1, 1)),
+}
+CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+GRAD_W = {1: torch.nn.grad.conv1d_weight, 2: torch.nn.grad.conv2d_weight, 3: torch.nn.grad.conv3d_weight}
+
+
+def graph_ms(fn) -> float:
+    return TIMER(models.runner(fn, "cuda", True, warmup=2))["median_ms"]
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.float() - ref).norm() / ref.norm()).item()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bundle", required=True)
+    ap.add_argument("--out", default=os.environ.get("OUT", str(Path(__file__).resolve().parents[1] / "results")))
+    a = ap.parse_args()
+    torch.backends.cudnn.benchmark = True
+    reg = td.load(a.bundle)
+    handle = tdt.register(reg)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    results = {"machine": gc.machine(), "cudnn": torch.backends.cudnn.version(), "bundle": a.bundle, "layers": {}}
+    runs_on_fallback = tdt._runs_on_fallback
+    for name, (shape, k, f, s, p) in LAYERS.items():
+        rank = len(f)
+        x = tdt._channels_last(gc.random_tensor(shape, "fp16", gen))
+        w = tdt._channels_last(gc.random_tensor((k, shape[1], *f), "fp16", gen))
+        ref = CONV[rank](x.float(), w.float(), stride=s, padding=p)
+        dy = tdt._channels_last(gc.random_tensor(tuple(ref.shape), "fp16", gen))
+        ref_dw = GRAD_W[rank](x.float(), w.shape, dy.float(), stride=s, padding=p)
+        row = {"cudnn_fwd_ms": graph_ms(lambda: CONV[rank](x, w, stride=s, padding=p)),
+               "cudnn_bwd_weight_ms": graph_ms(lambda: GRAD_W[rank](x, w.shape, dy, stride=s, padding=p))}
+        # padded first: the eager fast path remembers an as-is call on the caller's tensors and would replay it
+        for route in ("padded", "as_is"):
+            tdt._PAD_ROUTES.clear()
+            tdt._runs_on_fallback = runs_on_fallback if route == "padded" else (lambda registry, problem: None)
+            try:
+                def fwd():
+                    return tdt.conv(x, w, registry=reg, stride=s, padding=p)
+
+                def bwd_weight():
+                    return tdt._conv_bwd_weight(x, dy, f, s, (1,) * rank, p, p, 1, handle)
+                y, dw = fwd(), bwd_weight()
+                row[route] = {"channels": sorted(set(tdt._PAD_ROUTES.values())) or [0],
+                              "fwd_ms": graph_ms(fwd), "fwd_rel_err": rel_err(y, ref),
+                              "bwd_weight_ms": graph_ms(bwd_weight), "bwd_weight_rel_err": rel_err(dw, ref_dw)}
+            finally:
+                tdt._runs_on_fallback = runs_on_fallback
+            r = row[route]
+            print(f"{name:17s} {route:7s} padded to {r['channels']}: fwd {r['fwd_ms']:.4f} ms (err {r['fwd_rel_err']:.1e})"
+                  f"  bwd_weight {r['bwd_weight_ms']:.4f} ms (err {r['bwd_weight_rel_err']:.1e})", flush=True)
+        print(f"{name:17s} cuDNN fwd {row['cudnn_fwd_ms']:.4f} ms, bwd_weight {row['cudnn_bwd_weight_ms']:.4f} ms",
+              flush=True)
+        results["layers"][name] = row
+    gpu = results["machine"]["gpu"].split()[-1].lower()
+    path = Path(a.out) / f"channel_padding_{gpu}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
