@@ -452,7 +452,7 @@ def check_fused_selection(registries) -> list[dict]:
             for kind in kind_of(kern.key)[:1]:
                 g, cg, kg = KINDS[kind]
                 cases[(kind, sig.epilogue, filt, sig.dtype_a)] = (2, g, g * cg, g * kg, (19, 23), filt, "s2d1", kern.key)
-            if alg.extra("cutlass.align", 0):  # the generic kernel: a stem with C = 3
+            if alg.extra("cutlass.align", 0) == 1:  # the generic kernel: a stem with C = 3
                 cases[("stem", sig.epilogue, sig.dtype_a)] = (2, 1, 3, 64, (29, 31), (7, 7), "s2d1", kern.key)
         for label, (n, g, c, k, sp, filt, geometry, key) in cases.items():
             epi = label[1]

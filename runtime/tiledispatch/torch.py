@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .backends import family_of
+from . import selection
 from .errors import InvalidInputError, UnsupportedProblemError
 from .ops import conv as conv_op
 from .ops import conv_as_gemm
@@ -403,14 +403,15 @@ def _geometry(stride, dilation, pad_lo, pad_hi, groups) -> _Geometry:
 
 # -- channel padding ---------------------------------------------------------------------------------------
 # A dense conv whose channel count C is not a multiple of the aligned kernels' vector (16 bytes: 8 fp16 channels) runs
-# on a backend's fallback kernel (the family's cost_factor > 1: cutlass's generic implicit GEMM, element-wise loads).
-# Where the same conv with X and W zero-padded to whole vectors selects an ordinary kernel, it runs that way: the
-# extra channels add zeros to every sum, the output is unchanged (fwd; bwd_weight keeps dW's first C channels), and
-# the copy costs a pass over X. Measured on the H200 (bench/results/stem_probe_h200, batch 32): ResNet-50's 7x7 stem
-# (C = 3) fwd 0.32 -> 0.20 ms + 0.012 for the copy, bwd_weight 0.71 -> 0.40; MobileNetV2's 3x3 stem 0.10 -> 0.073,
-# 0.18 -> 0.12.
+# on a backend's fallback kernel (cutlass's generic implicit GEMM, element-wise loads, cost_factor 8). The same conv
+# with X and W zero-padded to whole 8- or 16-byte vectors may select an ordinary kernel: the extra channels add zeros
+# to every sum, the output is unchanged (fwd; bwd_weight keeps dW's first C channels), and the copy costs a pass
+# over X. Of the conv as it is and padded to each vector width, the one whose selected kernel the cost model
+# (selection.estimated_cost) rates cheapest runs. Measured on the H200 (bench/results/channel_padding_h200, batch
+# 32): ResNet-50's 7x7 stem (C = 3 -> 8) fwd 0.32 -> 0.23 ms with the copy, bwd_weight 0.71 -> 0.43.
 _PLAIN_EPILOGUE = Epilogue()
 _PAD_ROUTES: dict = {}  # (handle, direction, dtype, shapes, geometry, epilogue) -> padded channel count, or 0
+_PAD_VECTOR_BYTES = (8, 16)
 
 
 def _vector_channels(t: torch.Tensor) -> int:
@@ -418,14 +419,14 @@ def _vector_channels(t: torch.Tensor) -> int:
     return max(1, 16 // t.element_size())
 
 
-def _runs_on_fallback(reg: Registry, problem: ConvProblem) -> Optional[bool]:
-    """Whether the kernel the registry selects for the problem is its family's fallback (cost_factor > 1); None
-    when no kernel of the bundle runs it."""
+def _selected_cost(reg: Registry, problem: ConvProblem) -> Optional[float]:
+    """The cost model's estimate for the kernel the registry selects for the problem; None when no kernel of the
+    bundle runs it."""
     try:
         kern = reg.select(problem)
     except (InvalidInputError, UnsupportedProblemError):
         return None
-    return family_of(kern.key).cost_factor(kern.key) > 1
+    return selection.estimated_cost(problem, kern.key)
 
 
 def _channel_padding(handle: int, direction: str, x: torch.Tensor, k: int, filter_size: tuple, geo: _Geometry,
@@ -436,19 +437,23 @@ def _channel_padding(handle: int, direction: str, x: torch.Tensor, k: int, filte
            epilogue)
     wide = _PAD_ROUTES.get(key)
     if wide is None:
-        vector = _vector_channels(x)
-        wide, c = -(-x.shape[1] // vector) * vector, x.shape[1]
+        c, size = x.shape[1], x.element_size()
         reg = registry_of(handle)
 
-        def problem(channels: int) -> ConvProblem:
+        def cost(channels: int) -> Optional[float]:
             dtype = _dtype_name(x, "x")
-            return ConvProblem(direction, x.shape[0], 1, channels, k, tuple(x.shape[2:]), filter_size, geo.stride,
-                               geo.dilation, geo.pad_lo, geo.pad_hi, dtype, dtype, dtype, epilogue=epilogue)
+            return _selected_cost(reg, ConvProblem(direction, x.shape[0], 1, channels, k, tuple(x.shape[2:]),
+                                                   filter_size, geo.stride, geo.dilation, geo.pad_lo, geo.pad_hi,
+                                                   dtype, dtype, dtype, epilogue=epilogue))
+        widths = sorted({-(-c // v) * v for v in (max(1, b // size) for b in _PAD_VECTOR_BYTES)} - {c})
+        wide, best = 0, None
         try:
-            as_is, padded = _runs_on_fallback(reg, problem(c)), _runs_on_fallback(reg, problem(wide))
+            best = cost(c)
+            for channels in widths:
+                padded = cost(channels)
+                if padded is not None and (best is None or padded < best):
+                    wide, best = channels, padded
         except InvalidInputError:  # dtypes or shapes the plain path's checks refuse, with their own message
-            as_is = padded = None
-        if padded is not False or as_is is False:
             wide = 0
         if len(_PAD_ROUTES) >= _MEMO_SIZE:
             _PAD_ROUTES.clear()

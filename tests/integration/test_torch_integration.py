@@ -484,11 +484,11 @@ def test_strided_bwd_data_route_is_checked():
 @pytest.mark.parametrize("activation", ["identity", "relu"])
 @pytest.mark.parametrize("rank", [1, 2, 3])
 def test_small_channel_convs_run_zero_padded_where_the_as_is_kernel_is_a_fallback(reg, monkeypatch, rank, activation):
-    """A dense conv with C = 3 whose kernel would be its family's fallback runs with X and W zero-padded to whole
-    16-byte vectors (fp32: 4 channels) where the padded problem selects an ordinary kernel: the output, grad X and
-    grad W (bwd_weight on the padded X, its first C channels) match torch's autograd in float64. The cpu kernels
-    are no fallbacks: the test says which are."""
-    monkeypatch.setattr(tdt, "_runs_on_fallback", lambda registry, problem: problem.c % 4 != 0)
+    """A dense conv with C = 3 runs with X and W zero-padded to whole vectors (fp32: 4 channels) where the cost
+    model rates the padded problem's kernel cheaper: the output, grad X and grad W (bwd_weight on the padded X, its
+    first C channels) match torch's autograd in float64. On the cpu kernels padding never pays: the test says
+    which costs what."""
+    monkeypatch.setattr(tdt, "_selected_cost", lambda registry, problem: 1.0 if problem.c % 4 == 0 else 8.0)
     tdt._PAD_ROUTES.clear()
     calls = _routed_calls(monkeypatch, reg)
     seen = []
@@ -517,8 +517,8 @@ def test_small_channel_convs_run_zero_padded_where_the_as_is_kernel_is_a_fallbac
 
 
 def test_channel_padding_keeps_ordinary_kernels_and_refusals_as_they_are(reg):
-    """With the real answer (the cpu kernels are no fallbacks) nothing is padded; a problem no kernel runs keeps the
-    plain path's error."""
+    """With the real cost model (the cpu kernels' cost grows with the padded reduction) nothing is padded; a problem
+    no kernel runs keeps the plain path's error."""
     tdt._PAD_ROUTES.clear()
     x, w = rand(2, 3, 9, 9, seed=70), rand(5, 3, 3, 3, seed=71)
     geo = tdt._geometry((1, 1), (1, 1), (1, 1), (1, 1), 1)

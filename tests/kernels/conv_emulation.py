@@ -72,7 +72,7 @@ def build(key: KernelKey, out_dir: Path, smem_limit: int | None = None) -> abi.K
 # (G, C/G, K/G)
 KINDS = {"dense": (1, 24, 16), "g4": (4, 4, 4), "g16": (3, 16, 16), "g64": (2, 64, 8), "depthwise": (9, 1, 1),
          "multiplier": (5, 1, 2), "odd": (3, 3, 5), "g2": (12, 2, 2), "g8": (3, 8, 8), "g4x3": (3, 4, 4),
-         "g32": (2, 32, 32)}
+         "g32": (2, 32, 32), "c4": (1, 4, 12)}
 # (stride, dilation, pad_lo, pad_hi) per dim, cut to the rank; every one pads asymmetrically
 GEOMETRIES = {
     "s1d1": ((1, 1, 1), (1, 1, 1), (1, 0, 2), (0, 2, 1)),

@@ -26,8 +26,12 @@ def direct(direction, rank, vl=4, cpg=0, kpg=0, dtype="fp16", fx=0, fy=0, tile=N
                        fx=fx, fy=fy)
 
 
-def igemm(direction, rank, dtype="fp16"):
-    return ce.conv_key(direction, rank, "implicit_gemm", (32, 32, 32), (16, 8, 16), (2, 1, 1), dtype, stages=3)
+def igemm(direction, rank, dtype="fp16", extras=()):
+    return ce.conv_key(direction, rank, "implicit_gemm", (32, 32, 32), (16, 8, 16), (2, 1, 1), dtype, stages=3,
+                       extras=extras)
+
+
+ALIGN4 = (("cutlass.align", 4),)  # chunks of 4 channels (8-byte copies)
 
 
 # (key, kinds, geometries): every direction and rank, both pipelines, the specializations and the generic path
@@ -38,6 +42,7 @@ for d in DIRECTIONS:
         CASES.append((direct(d, r), ("g4", "odd"), geos))
         CASES.append((direct(d, r, vl=8, cpg=1, kpg=1, dtype="bf16" if r == 2 else "fp16"), ("depthwise",), geos))
         CASES.append((igemm(d, r, dtype="bf16" if r == 3 else "fp16"), ("dense", "g16"), geos))
+        CASES.append((igemm(d, r, dtype="bf16" if r == 1 else "fp16", extras=ALIGN4), ("c4", "g4", "dense"), geos))
     CASES.append((direct(d, 2, cpg=4, kpg=4), ("g4",), ("s1d1", "s2d1")))
 
 
@@ -220,6 +225,10 @@ def test_refusals(libs):
     status, reason = lib.can_run(conv.make_args(p, ig))
     assert status == abi.UNSUPPORTED and "multiples of 8" in reason
     assert lib.workspace_bytes(conv.make_args(p, ig)) == 0
+    ig4 = igemm("fwd", 2, extras=ALIGN4)
+    lib = built(libs, ig4)
+    status, reason = lib.can_run(conv.make_args(p, ig4))  # C/G = 3
+    assert status == abi.UNSUPPORTED and "multiples of 4" in reason
     wg = igemm("bwd_weight", 2)
     lib = built(libs, wg)
     pw = conv.ConvProblem("bwd_weight", 1, 2, 16, 16, (9, 9), (3, 3), 1, 1, 1, 1, "fp16", "fp16", "fp16")

@@ -8,6 +8,8 @@ split_k 1, cluster [1, 1, 1].
 Extra cutlass.align 1: the generic kernel (DESIGN.md invariant 10): any channel count, pointer and stride. The
 reduction's channels per group are padded to chunks of 8 (zeros past the group's end), chunks are loaded element by
 element (no cp.async) and outputs stored element by element; the ranker puts it last (cost_factor).
+Extra cutlass.align 4: chunks of 4 channels (8-byte cp.async), for C/G and K/G multiples of 4: a 3-channel stem
+zero-padded to 4 (tiledispatch.torch's channel padding) reduces over half the taps x channels of one padded to 8.
 
 A strided bwd_data (every kernel of the family) walks the input pixels phase by phase (stride phases): a tile inside
 one phase skips the taps that reach none of its pixels (3 of 4 at stride 2 in 2D, 4 of 5 at stride 5 in 1D; all of
@@ -32,7 +34,7 @@ def context(key) -> dict:
     alg = key.algorithm
     return {**common.conv_context(key), "threads": alg.warps[0] * alg.warps[1] * 32,
             "stages": alg.stages or DEFAULT_STAGES, "mma_type": common.MMA_TYPE[key.signature.dtype_a], "rows": 0,
-            "generic": generic(key)}
+            "generic": generic(key), "vector": vector(key)}
 
 
 def generic(key) -> bool:
@@ -40,10 +42,19 @@ def generic(key) -> bool:
     return common.extra(key, "align") == 1
 
 
+def vector(key) -> int:
+    """Channels per chunk the kernel moves: 4 for cutlass.align 4 (8-byte copies), else 8 (16 bytes; the generic
+    kernel's chunks of 8 are loaded element by element)."""
+    return 4 if common.extra(key, "align") == 4 else 8
+
+
 def cost_factor(key) -> float:
     """The generic kernel is the fallback for what no other kernel runs: synchronous element-wise loads, the
-    reduction padded to chunks of 8 channels: x8, after every other conv kernel of the set."""
-    return 8.0 if generic(key) else 1.0
+    reduction padded to chunks of 8 channels: x8, after every other conv kernel of the set. 8-byte chunks (align 4)
+    take twice the copies of 16-byte ones: x1.1, after the 16-byte kernel wherever both run (measured on the H200,
+    bench/results/channel_padding_h200: C = 12 as it is 0.029 ms, padded to 16 0.044 with the copy; the ResNet-50
+    stem padded to 4 0.184, to 8 0.228)."""
+    return 8.0 if generic(key) else 1.1 if vector(key) == 4 else 1.0
 
 
 def runtime_split(key, output_tiles: int, k: int, units: int) -> int:
@@ -70,8 +81,9 @@ def refusal(problem, key):
     cg, kg = problem.c // problem.g, problem.k // problem.g
     if generic(key):  # the reduction walks C/G (fwd, bwd_weight) or K/G (bwd_data) in whole chunks of 8
         cg, kg = -(-cg // 8) * 8, -(-kg // 8) * 8
-    elif cg % 8 or kg % 8:
-        return f"implicit_gemm moves 8 channels at a time: C/G ({cg}) and K/G ({kg}) must be multiples of 8"
+    elif cg % vector(key) or kg % vector(key):
+        return (f"implicit_gemm moves {vector(key)} channels at a time: C/G ({cg}) and K/G ({kg}) must be multiples "
+                f"of {vector(key)}")
     m, n, k, _ = problem.gemm_shape()
     taps = math.prod(problem.filter_size)
     if problem.direction == "fwd":

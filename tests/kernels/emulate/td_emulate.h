@@ -69,6 +69,10 @@ inline void cp_async16(void* smem, const void* gmem, bool valid) {
   if (valid) std::memcpy(smem, gmem, 16);
   else std::memset(smem, 0, 16);
 }
+inline void cp_async8(void* smem, const void* gmem, bool valid) {
+  if (valid) std::memcpy(smem, gmem, 8);
+  else std::memset(smem, 0, 8);
+}
 inline void cp_async_commit() {}
 template <int N> inline void cp_async_wait() {}
 
