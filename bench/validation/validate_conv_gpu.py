@@ -486,9 +486,9 @@ def _against(out, ref, key) -> dict:
 
 
 def check_refusals(registries) -> list[dict]:
-    """implicit_gemm and tma_ws_conv refuse channel counts that are not multiples of 8 (implicit_gemm's generic
-    kernel, cutlass.align 1, runs them), tma_ws_conv refuses groups > 1: each kernel's verdict is its family's
-    model (refusal()); nothing is launched."""
+    """implicit_gemm and tma_ws_conv refuse channel counts that are not multiples of 8 (implicit_gemm's cutlass.align
+    4 kernels: 4; its generic kernel, cutlass.align 1, runs them), tma_ws_conv refuses groups > 1: each kernel's
+    verdict is its family's model (refusal()); nothing is launched."""
     results = []
     for reg in registries:
         for kern in reg.kernels:
@@ -496,7 +496,7 @@ def check_refusals(registries) -> list[dict]:
             if pipeline not in ("implicit_gemm", "tma_ws_conv"):
                 continue
             sig = kern.key.signature
-            cases = [(1 if pipeline == "tma_ws_conv" else 2, 12, 16, "multiples of 8")]
+            cases = [(1 if pipeline == "tma_ws_conv" else 2, 12, 16, "must be multiples of")]
             if pipeline == "tma_ws_conv":
                 cases.append((2, 64, 64, "groups = 1"))
             for g, c, k, want in cases:
