@@ -1,8 +1,8 @@
 """The channel-padding route of tiledispatch.torch on the GPU: dense convs whose C is not a multiple of 8 (the
 3-channel stems of ResNet-50 and the 3D video models, wav2vec2's 1-channel front end, small odd C), fwd and
 bwd_weight, run as they are (the generic implicit GEMM) and with X / W zero-padded as the operators choose (8- or
-16-byte vectors) and to 16-byte vectors only (the copy included), against cuDNN (benchmark mode); CUDA graphs,
-outputs checked against float32.
+16-byte vectors), to 8-byte or to 16-byte vectors only (the copy included), against cuDNN (benchmark mode); CUDA
+graphs, outputs checked against float32.
 
     scons kernels=bench/sets/channel_padding.yaml backend=cutlass arch=sm90a bundle=channel_padding
     python3 bench/benchmarks/channel_padding.py --bundle build/channel_padding [--out DIR]  # channel_padding_<gpu>.json
@@ -31,11 +31,13 @@ LAYERS = {
     "r3d_18_stem": ((8, 3, 16, 112, 112), 64, (3, 7, 7), (1, 2, 2), (1, 3, 3)),
     "r2plus1d_18_stem": ((8, 3, 16, 112, 112), 45, (1, 7, 7), (1, 2, 2), (0, 3, 3)),
     "resnet50_stem": ((32, 3, 224, 224), 64, (7, 7), (2, 2), (3, 3)),
+    "mobilenet_v2_stem": ((32, 3, 224, 224), 32, (3, 3), (2, 2), (1, 1)),
+    "convnext_tiny_stem": ((32, 3, 224, 224), 96, (4, 4), (4, 4), (0, 0)),
     "c5_3x3": ((32, 5, 64, 64), 64, (3, 3), (1, 1), (1, 1)),
     "c12_3x3": ((32, 12, 56, 56), 64, (3, 3), (1, 1), (1, 1)),
 }
 # route: the vector widths (bytes) the channel padding may pad to; () runs every conv as it is
-ROUTES = {"padded": (8, 16), "padded_16_bytes": (16,), "as_is": ()}
+ROUTES = {"padded": (8, 16), "padded_8_bytes": (8,), "padded_16_bytes": (16,), "as_is": ()}
 CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 GRAD_W = {1: torch.nn.grad.conv1d_weight, 2: torch.nn.grad.conv2d_weight, 3: torch.nn.grad.conv3d_weight}
 

@@ -464,7 +464,7 @@ def _channel_padding(handle: int, direction: str, x: torch.Tensor, k: int, filte
 def _zero_padded_channels(t: torch.Tensor, channels: int) -> torch.Tensor:
     """A channels-last copy of t [N or K, C, spatial...] with zero channels appended up to `channels`."""
     out = _new_channels_last((t.shape[0], channels, *t.shape[2:]), t)
-    out[:, t.shape[1]:].zero_()
+    out.zero_()  # whole: one contiguous fill, where zeroing the extra channels alone writes a strided slice
     out[:, :t.shape[1]].copy_(t)
     return out
 
