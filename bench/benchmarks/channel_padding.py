@@ -88,8 +88,8 @@ def main() -> None:
                 tdt._PAD_VECTOR_BYTES = default_bytes
             r = row[route]
             print(f"{name:17s} {route:16s} padded to {r['channels']}: fwd {r['fwd_ms']:.4f} ms (err "
-                  f"{r['fwd_rel_err']:.1e})  bwd_weight {r['bwd_weight_ms']:.4f} ms (err {r['bwd_weight_rel_err']:.1e})",
-                  flush=True)
+                  f"{r['fwd_rel_err']:.1e})  bwd_weight {r['bwd_weight_ms']:.4f} ms "
+                  f"(err {r['bwd_weight_rel_err']:.1e})", flush=True)
         print(f"{name:17s} cuDNN fwd {row['cudnn_fwd_ms']:.4f} ms, bwd_weight {row['cudnn_bwd_weight_ms']:.4f} ms",
               flush=True)
         results["layers"][name] = row

@@ -47,7 +47,8 @@ BACKEND = register(
     # extra key fields (cutlass.<name>); what each means: the module of the family that reads it
     extras={
         "fp8_fast_accum": {"type": "bool", "default": False},  # gemm_sm90
-        "align": {"type": "int", "default": 0},                # gemm_sm80 (low-alignment kernels, also on sm90a)
+        "align": {"type": "int", "default": 0},                # gemm_sm80 (low-alignment kernels, also on sm90a),
+                                                               # conv implicit_gemm (1: generic, 4: 8-byte chunks)
         "cpg": {"type": "int", "default": 0},                  # conv_direct
         "kpg": {"type": "int", "default": 0},                  # conv_direct
         "fx": {"type": "int", "default": 0},                   # conv_direct

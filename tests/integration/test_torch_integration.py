@@ -12,6 +12,7 @@ import copy
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -529,6 +530,45 @@ def test_channel_padding_keeps_ordinary_kernels_and_refusals_as_they_are(reg):
     x64 = rand(2, 3, 9, 9, dtype=torch.float64, seed=72)
     with pytest.raises(td.UnsupportedProblemError, match="no kernel"):  # the bundle has no fp64 conv
         tdt.conv(x64, x64.new_ones(5, 3, 3, 3), registry=reg, padding=1)
+
+
+class _ModelledRegistry:
+    """select() over a set's keys as the cutlass bundle would answer it without a GPU: the kernels whose signature
+    matches and whose family's refusal model (checked against td_can_run by tests/kernels/test_coverage_emulated.py)
+    admits the problem, ranked by the analytic ranker."""
+
+    def __init__(self, keys):
+        self.kernels = [types.SimpleNamespace(key=k, name=k.name) for k in keys]
+
+    def select(self, problem):
+        from tiledispatch import backends, selection
+
+        fits = [k for k in self.kernels if problem.mismatch(k.key) is None
+                and backends.family_of(k.key).module.refusal(problem, k.key) is None]
+        if not fits:
+            raise td.UnsupportedProblemError(f"no kernel runs {problem}")
+        return selection.analytic(problem, fits)[0]
+
+
+@pytest.mark.parametrize("channels,k,filt,stride,direction,padded", [
+    (3, 64, 7, 2, "fwd", 4), (3, 64, 7, 2, "bwd_weight", 4),    # ResNet-50's stem: the 8-byte kernels
+    (5, 64, 3, 1, "fwd", 8), (5, 64, 3, 1, "bwd_weight", 8),    # C = 5: both widths give 8
+    (12, 64, 3, 1, "fwd", 0), (12, 64, 3, 1, "bwd_weight", 0),  # C = 12 runs as it is on the 8-byte kernels
+    (3, 45, 7, 2, "fwd", 0), (16, 64, 3, 1, "fwd", 0)])       # K = 45 refused by every aligned kernel; aligned C
+def test_channel_padding_width_on_the_cutlass_essential_set(monkeypatch, channels, k, filt, stride, direction, padded):
+    """The padding width the cost model picks for conv_fp16_all_essential's sm90a kernels (bench/results/
+    channel_padding_align4_h200 measured these choices as the fastest of as is / 4 / 8 on the stems)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("coverage", REPO / "bench" / "benchmarks" / "coverage.py")
+    coverage = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(coverage)
+    registry = _ModelledRegistry(coverage.set_keys("conv_fp16_all_essential", "cutlass/sm90a"))
+    monkeypatch.setattr(tdt, "registry_of", lambda handle: registry)
+    tdt._PAD_ROUTES.clear()
+    x = torch.empty(32, channels, 56, 56, dtype=torch.float16)
+    geo = tdt._geometry((stride, stride), (1, 1), (filt // 2,) * 2, (filt // 2,) * 2, 1)
+    assert tdt._channel_padding(-1, direction, x, k, (filt, filt), geo, tdt._PLAIN_EPILOGUE) == padded
 
 
 def _remembered(registry) -> int:

@@ -52,8 +52,8 @@ def cost_factor(key) -> float:
     """The generic kernel is the fallback for what no other kernel runs: synchronous element-wise loads, the
     reduction padded to chunks of 8 channels: x8, after every other conv kernel of the set. 8-byte chunks (align 4)
     take twice the copies of 16-byte ones: x1.1, after the 16-byte kernel wherever both run (measured on the H200,
-    bench/results/channel_padding_h200: C = 12 as it is 0.029 ms, padded to 16 0.044 with the copy; the ResNet-50
-    stem padded to 4 0.184, to 8 0.228)."""
+    bench/results/channel_padding_align4_h200: C = 12 as it is 0.029 ms, padded to 16 0.044 with the copy; the
+    ResNet-50 stem padded to 4 0.184, to 8 0.228)."""
     return 8.0 if generic(key) else 1.1 if vector(key) == 4 else 1.0
 
 
