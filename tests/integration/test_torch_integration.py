@@ -491,13 +491,14 @@ def test_small_channel_convs_run_zero_padded_where_the_as_is_kernel_is_a_fallbac
     which costs what."""
     monkeypatch.setattr(tdt, "_selected_cost", lambda registry, problem: 1.0 if problem.c % 4 == 0 else 8.0)
     tdt._PAD_ROUTES.clear()
-    calls = _routed_calls(monkeypatch, reg)
-    seen = []
     from tiledispatch.ops import conv as conv_op
-    spied = conv_op.run
-    monkeypatch.setattr(conv_op, "run", lambda registry, direction, x, w, *a: seen.append(
-        (direction, x.shape[1] if x is not None else None, w.shape[1] if w is not None else None))
-        or spied(registry, direction, x, w, *a))
+
+    seen, run = [], conv_op.run  # (direction, X's channels, W's channels) of every conv kernel call
+
+    def run_spy(registry, direction, x, w, *args):
+        seen.append((direction, x.shape[1], w.shape[1]))
+        return run(registry, direction, x, w, *args)
+    monkeypatch.setattr(conv_op, "run", run_spy)
     size = (9, 8, 7)[:rank]
     x, w, b = rand(2, 3, *size, seed=66), rand(5, 3, *(3,) * rank, seed=67), rand(5, seed=68)
     xs, ws, bs = leaf(x), leaf(w), leaf(b)
@@ -514,7 +515,7 @@ def test_small_channel_convs_run_zero_padded_where_the_as_is_kernel_is_a_fallbac
         assert mine.grad.shape == theirs.grad.shape and rel_err(mine.grad, theirs.grad) < GRAD_TOL[torch.float32]
     # fwd: X [N, 4, ...] and W [K, 4, ...]; bwd_data (grad X, C = 3 out) as it is; bwd_weight: X padded, dW [K, 4]
     assert ("fwd", 4, 4) in seen and ("bwd_weight", 4, 4) in seen and ("bwd_data", 3, 3) in seen
-    assert not any(c == 3 for d, c, _ in seen if d != "bwd_data") and "conv_fwd" in calls
+    assert not any(c == 3 for d, c, _ in seen if d != "bwd_data")
 
 
 def test_channel_padding_keeps_ordinary_kernels_and_refusals_as_they_are(reg):
