@@ -2,6 +2,7 @@
 and launching one kernel of a bundle through the C ABI with a persistent workspace."""
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -115,6 +116,15 @@ def machine() -> dict:
     props = torch.cuda.get_device_properties(0)
     return {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
             "cuda_torch": torch.version.cuda, "cudart": cuda.versions(), "cudart_path": cuda.library_path()}
+
+
+def write_results(results: dict, out: str, prefix: str) -> Path:
+    """results (with its "machine") as out/<prefix>_<gpu>.json, e.g. stem_probe_h200.json."""
+    path = Path(out) / f"{prefix}_{results['machine']['gpu'].split()[-1].lower()}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1))
+    print(f"wrote {path}")
+    return path
 
 
 def time_batch(fn, batch: int, repeats: int, warmup: int = 0) -> float:

@@ -10,7 +10,6 @@ graphs, outputs checked against float32.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -20,11 +19,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _gpu_common as gc  # noqa: E402
-import models  # noqa: E402  (bench/benchmarks/models.py: its CUDA-graph runner and timer)
+from stem_probe import graph_ms  # noqa: E402  (models.py's CUDA-graph runner and timer)
 import tiledispatch as td  # noqa: E402
 import tiledispatch.torch as tdt  # noqa: E402
 
-TIMER = models.Timer("cuda", rounds=5, target_ms=5)
 # name: (x shape, K, filter, stride, padding), from the real-workload suite's models
 LAYERS = {
     "wav2vec2_conv0": ((32, 1, 16000), 512, (10,), (5,), (0,)),
@@ -40,10 +38,6 @@ LAYERS = {
 ROUTES = {"padded": (8, 16), "padded_8_bytes": (8,), "padded_16_bytes": (16,), "as_is": ()}
 CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 GRAD_W = {1: torch.nn.grad.conv1d_weight, 2: torch.nn.grad.conv2d_weight, 3: torch.nn.grad.conv3d_weight}
-
-
-def graph_ms(fn) -> float:
-    return TIMER(models.runner(fn, "cuda", True, warmup=2))["median_ms"]
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -93,11 +87,7 @@ def main() -> None:
         print(f"{name:17s} cuDNN fwd {row['cudnn_fwd_ms']:.4f} ms, bwd_weight {row['cudnn_bwd_weight_ms']:.4f} ms",
               flush=True)
         results["layers"][name] = row
-    gpu = results["machine"]["gpu"].split()[-1].lower()
-    path = Path(a.out) / f"channel_padding_{gpu}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=1))
-    print(f"wrote {path}")
+    gc.write_results(results, a.out, "channel_padding")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ reduction with 16-byte loads and stores.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -95,11 +94,7 @@ def main() -> None:
         print(f"{name:13s} cuDNN fwd {row['cudnn_ms']:.4f} ms, bwd_weight {row['cudnn_bwd_weight_ms']:.4f} ms, "
               f"pad copy {row['pad_copy_ms']:.4f} ms", flush=True)
         results["stems"][name] = row
-    gpu = results["machine"]["gpu"].split()[-1].lower()
-    path = Path(a.out) / f"stem_probe_{gpu}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=1))
-    print(f"wrote {path}")
+    gc.write_results(results, a.out, "stem_probe")
 
 
 if __name__ == "__main__":
