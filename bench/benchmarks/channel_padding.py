@@ -9,8 +9,6 @@ graphs, outputs checked against float32.
 """
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -19,8 +17,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _gpu_common as gc  # noqa: E402
-from stem_probe import graph_ms  # noqa: E402  (models.py's CUDA-graph runner and timer)
-import tiledispatch as td  # noqa: E402
+from stem_probe import graph_ms, setup  # noqa: E402  (models.py's CUDA-graph runner and timer)
 import tiledispatch.torch as tdt  # noqa: E402
 
 # name: (x shape, K, filter, stride, padding), from the real-workload suite's models
@@ -45,15 +42,8 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--bundle", required=True)
-    ap.add_argument("--out", default=os.environ.get("OUT", str(Path(__file__).resolve().parents[1] / "results")))
-    a = ap.parse_args()
-    torch.backends.cudnn.benchmark = True
-    reg = td.load(a.bundle)
+    a, reg, gen, results = setup(__doc__, "layers")
     handle = tdt.register(reg)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    results = {"machine": gc.machine(), "cudnn": torch.backends.cudnn.version(), "bundle": a.bundle, "layers": {}}
     default_bytes = tdt._PAD_VECTOR_BYTES
     for name, (shape, k, f, s, p) in LAYERS.items():
         rank = len(f)

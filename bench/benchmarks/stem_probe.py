@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _gpu_common as gc  # noqa: E402
 import models  # noqa: E402  (bench/benchmarks/models.py: its CUDA-graph runner and timer)
 import tiledispatch as td  # noqa: E402
+import tiledispatch.torch as tdt  # noqa: E402
 
 TIMER = models.Timer("cuda", rounds=5, target_ms=5)
 
@@ -35,28 +36,25 @@ def graph_ms(fn) -> float:
     return TIMER(models.runner(fn, "cuda", True, warmup=2))["median_ms"]
 
 
-def padded(t: torch.Tensor, channels: int) -> torch.Tensor:
-    """t with its channel dim zero-padded, channels-last."""
-    out = torch.zeros(t.shape[0], channels, *t.shape[2:], device=t.device, dtype=t.dtype)
-    out = out.contiguous(memory_format=torch.channels_last)
-    out[:, :t.shape[1]].copy_(t)
-    return out
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def setup(doc: str, table: str):
+    """A probe's command line (--bundle, --out), cuDNN in benchmark mode, the bundle loaded, a seeded CUDA generator
+    and the results dict (machine, versions, an empty `table`)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bundle", required=True)
     ap.add_argument("--out", default=os.environ.get("OUT", str(Path(__file__).resolve().parents[1] / "results")))
     a = ap.parse_args()
     torch.backends.cudnn.benchmark = True
-    reg = td.load(a.bundle)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    results = {"machine": gc.machine(), "cudnn": torch.backends.cudnn.version(), "bundle": a.bundle, "stems": {}}
+    results = {"machine": gc.machine(), "cudnn": torch.backends.cudnn.version(), "bundle": a.bundle, table: {}}
+    return a, td.load(a.bundle), torch.Generator(device="cuda").manual_seed(0), results
+
+
+def main() -> None:
+    a, reg, gen, results = setup(__doc__, "stems")
     for name, (k, f, pad) in STEMS.items():
         x = gc.random_tensor((32, 3, 224, 224), "fp16", gen).contiguous(memory_format=torch.channels_last)
         w = gc.random_tensor((k, 3, f, f), "fp16", gen).contiguous(memory_format=torch.channels_last)
         ref = F.conv2d(x, w, stride=2, padding=pad)
-        x8, w8 = padded(x, 8), padded(w, 8)
+        x8, w8 = tdt._zero_padded_channels(x, 8), tdt._zero_padded_channels(w, 8)
         dy = gc.random_tensor(ref.shape, "fp16", gen).contiguous(memory_format=torch.channels_last)
         ref_dw = torch.nn.grad.conv2d_weight(x, w.shape, dy, stride=2, padding=pad)
         row = {"cudnn_ms": graph_ms(lambda: F.conv2d(x, w, stride=2, padding=pad)),
