@@ -37,6 +37,8 @@ FAMILY_OPTIONAL = {
     "runtime_split": "runtime_split(key, output_tiles, k, units) -> int: reduction splits chosen at run time",
     "resident_ctas": "resident_ctas(key) -> int: blocks per compute unit the kernel is compiled to keep resident",
     "cost_factor": "cost_factor(key) -> float: how much slower than its tile shape suggests the kernel runs",
+    "problem_factor": "problem_factor(problem, key) -> float: how much slower than cost_factor says the kernel runs "
+                      "on this problem (e.g. where the problem's geometry leaves one block per compute unit)",
     "partials_cost": "partials_cost(problem, key) -> float | None: the cost of a persistent split-K kernel, in "
                      "main-loop steps of one tile (None: the tiles-in-waves model applies)",
 }
@@ -56,6 +58,7 @@ _DEFAULTS: dict[str, Callable] = {
     "runtime_split": lambda key, output_tiles, k, units: 1,
     "resident_ctas": lambda key: 1,
     "cost_factor": lambda key: 1,
+    "problem_factor": lambda problem, key: 1,
     "partials_cost": lambda problem, key: None,
 }
 
@@ -74,6 +77,7 @@ class Family:
     runtime_split: Callable
     resident_ctas: Callable
     cost_factor: Callable
+    problem_factor: Callable
     partials_cost: Callable
 
 

@@ -29,8 +29,13 @@ def compute_units(backend: str, arch: str) -> int:
 def estimated_cost(problem, key) -> float:
     """Relative time of one kernel on one problem (lower is better); only the ranking matters. The kernel's family
     module says what it computes (gemm_view), how it splits (runtime_split, partials_cost) and how much slower than
-    its tile shape suggests it runs (cost_factor); backends.py has the defaults."""
+    its tile shape suggests it runs (cost_factor, and problem_factor on this problem); backends.py has the
+    defaults."""
     family = backends.family_of(key)
+    return _tile_cost(problem, key, family) * family.problem_factor(problem, key)
+
+
+def _tile_cost(problem, key, family) -> float:
     tm, tn, tk = key.algorithm.tile
     knee = backends.get(key.backend).selection.get("intensity_knee", 64.0)
     efficiency = min(1.0, (tm * tn / (tm + tn)) / knee)
@@ -81,6 +86,8 @@ class _Static:
         self.shared_view = [i for i, f in enumerate(fams) if f.gemm_view is default["gemm_view"]]
         self.own_split = [i for i, f in enumerate(fams) if f.runtime_split is not default["runtime_split"]]
         self.own_partials = [i for i, f in enumerate(fams) if f.partials_cost is not default["partials_cost"]]
+        self.own_problem_factor = [i for i, f in enumerate(fams)
+                                   if f.problem_factor is not default["problem_factor"]]
         self.families = fams
 
 
@@ -132,6 +139,8 @@ def cost_terms(problem, keys, names=None) -> dict:
     partial = ~np.isnan(steps)
     if partial.any():  # the same product, in the same order, as estimated_cost's
         cost[partial] = (steps * s.tm * s.tn * s.tk * s.resident / s.efficiency * s.cost_factor)[partial]
+    for i in s.own_problem_factor:
+        cost[i] *= s.families[i].problem_factor(problem, keys[i])
     return {"m": m, "n": n, "k": k, "batch": batch, "tiles_m": tiles_m, "tiles_n": tiles_n,
             "output_tiles": output_tiles, "runtime_split": runtime, "split": split, "waves": waves,
             "k_per_tile": k_per_tile, "partials_steps": steps, "cost": cost, "static": s}

@@ -69,6 +69,18 @@ def cost_factor(key) -> float:
     return math.prod(factors)
 
 
+def problem_factor(problem, key) -> float:
+    """x2 for a fwd kernel whose shared memory on this problem (problem_smem_bytes: a halo plane and the weights)
+    leaves one block per SM, unless it is compiled for one (cutlass.occupancy 1): its persistent block then waits
+    for each halo copy with no other block to run meanwhile. Wide tiles at stride 2 (a 28- or 32-wide tile's halo is
+    57-65 pixels wide) took 1.3-4x the time of narrower ones on the suite's depthwise layers, where the tile model
+    alone ranks them first (bench/results/depthwise_h200)."""
+    if key.signature.direction != "fwd" or common.extra(key, "occupancy") == 1:
+        return 1.0
+    need = problem_smem_bytes(problem, key)
+    return 2.0 if need and common.arch(key)["smem_bytes"] // need < 2 else 1.0
+
+
 def gemm_view(problem, key) -> tuple[int, int, int, int]:
     """One GEMM with the channels of all groups as its columns (lanes), over the pixels the blocks compute: tile[0]
     pixels along W by tile[2] rows along H, so rows and columns round up to whole tiles (a 56-wide row in 32-wide
