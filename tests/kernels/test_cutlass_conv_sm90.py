@@ -412,3 +412,20 @@ def test_direct_rows_round_up_to_whole_tiles(direction):
         p = conv.ConvProblem(direction, 32, 128, 128, 128, size, (3, 3), 1, 1, 1, 1, "fp16", "fp16", "fp16")
         keys = [_Kernel(_direct(t, direction)) for t in ((32, 64, 8), (28, 64, 8))]
         assert analytic(p, keys)[0].key.algorithm.tile[0] == wide
+
+
+def test_direct_fwd_with_one_block_per_sm_ranks_after_narrow_tiles():
+    """problem_factor: at stride 2 a 28-wide fwd tile's halo (57 x 17 pixels x 64 lanes) leaves one block per SM,
+    x2, and a 16-wide tile runs MobileNetV2's 112 x 112 stride-2 depthwise layer first (bench/results/depthwise_h200:
+    65.2 us against 45.6); at stride 1 the same tiles keep two blocks per SM and the wide one stays first. bwd_data and
+    bwd_weight keep their cost (not measured)."""
+    wide, narrow = _direct((28, 64, 8), "fwd"), _direct((16, 64, 8), "fwd")
+    factor = cutlass.family(wide).problem_factor
+
+    def layer(stride, direction="fwd"):
+        return conv.ConvProblem(direction, 32, 96, 96, 96, (112, 112), (3, 3), stride, 1, 1, 1, "fp16", "fp16", "fp16")
+    assert factor(layer(2), wide) == 2.0 and factor(layer(2), narrow) == 1.0
+    assert factor(layer(1), wide) == 1.0
+    assert factor(layer(2, "bwd_data"), _direct((28, 64, 8), "bwd_data")) == 1.0
+    assert analytic(layer(2), [_Kernel(wide), _Kernel(narrow)])[0].key is narrow
+    assert analytic(layer(1), [_Kernel(wide), _Kernel(narrow)])[0].key is wide
