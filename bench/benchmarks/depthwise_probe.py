@@ -1,24 +1,24 @@
-"""Depthwise 2D convolutions forward on the GPU: every distinct depthwise 2D layer of the real-workload suite
-(bench/suites/conv.json, generated from torchvision's models), cuDNN (benchmark mode, channels-last) against each
-kernel of a bundle that runs the layer and against what tiledispatch.torch.conv selects; every time in CUDA graphs
-(no host work), every output checked against cuDNN's.
+"""Depthwise 2D convolutions on the GPU, fwd or bwd_data: every distinct depthwise 2D layer of the real-workload
+suite (bench/suites/conv.json, generated from torchvision's models), cuDNN (benchmark mode, channels-last) against
+each kernel of a bundle that runs the layer and against what the public call selects (tiledispatch.torch.conv for
+fwd, Registry.conv_bwd_data for bwd_data); every time in CUDA graphs (no host work), every output checked against
+cuDNN's.
 
     scons kernels=bench/sets/depthwise_probe.yaml backend=cutlass arch=sm90a bundle=depthwise_probe
-    python3 bench/benchmarks/depthwise_probe.py --bundle build/depthwise_probe [--out DIR]  # depthwise_probe_<gpu>.json
+    python3 bench/benchmarks/depthwise_probe.py --bundle build/depthwise_probe [--direction bwd_data] [--selected-only]
+        [--out DIR]    # DIR/depthwise_probe_<direction>_<gpu>.json, written after every layer
 
-With DEPTHWISE_PROBE_SELECTED_ONLY=1 only cuDNN and the selected kernel are timed (a large bundle, e.g. the
-models benchmark's).
+--selected-only times cuDNN and the selected kernel only (a large bundle, e.g. the models benchmark's).
 
 Why: MobileNetV2's depthwise layers on 14 x 14 and 7 x 7 maps took 0.18-0.30x cuDNN's time in the models benchmark
 (bench/results/channel_padding_align4_h200), and the essential set's compile-time-filter kernels (32- and 28-wide
 tiles of 8 rows; 3x3 and 7x7 only) compute four times the pixels of a 7 x 7 map; 5x5 layers (EfficientNet, MnasNet,
-MobileNetV3) have only the run-time-filter kernel.
+MobileNetV3) had only the run-time-filter kernel.
 """
 from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -35,65 +35,81 @@ from tiledispatch.ops.conv import ConvProblem  # noqa: E402
 
 SUITE = Path(__file__).resolve().parents[1] / "suites" / "conv.json"
 TIMER = models.Timer("cuda", rounds=3, target_ms=3)
-SELECTED_ONLY = os.environ.get("DEPTHWISE_PROBE_SELECTED_ONLY") == "1"
+OPTIONS = {"--direction": {"choices": ("fwd", "bwd_data"), "default": "fwd"},
+           "--selected-only": {"action": "store_true", "help": "time cuDNN and the selected kernel only"}}
 
 
 def graph_ms(fn) -> float:
     return TIMER(models.runner(fn, "cuda", True, warmup=2))["median_ms"]
 
 
-def depthwise_layers() -> list[dict]:
+def depthwise_layers(direction: str) -> list[dict]:
     layers = json.loads(SUITE.read_text())["layers"]
-    return [ly for ly in layers if ly["cls"] == "depthwise" and ly["rank"] == 2 and "fwd" in ly["directions"]]
+    return [ly for ly in layers if ly["cls"] == "depthwise" and ly["rank"] == 2 and direction in ly["directions"]
+            and ly["pad_hi"] == ly["pad_lo"]]  # PyTorch's convs pad symmetrically
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.float() - ref).norm() / ref.norm()).item()
 
 
 def main() -> None:
-    a, reg, gen, results = setup(__doc__, "layers")
-    for ly in depthwise_layers():
-        n, c, size, f = ly["n"], ly["c"], ly["in_size"], ly["filter"]
-        s, d, pad = ly["stride"], ly["dilation"], ly["pad_lo"]
-        if ly["pad_hi"] != pad:
-            continue  # F.conv2d pads symmetrically
+    a, reg, gen, results = setup(__doc__, "layers", OPTIONS)
+    results["direction"] = a.direction
+    for ly in depthwise_layers(a.direction):
+        n, c, size, f = ly["n"], ly["c"], tuple(ly["in_size"]), tuple(ly["filter"])
+        s, d, pad = tuple(ly["stride"]), tuple(ly["dilation"]), tuple(ly["pad_lo"])
+        geometry = {"stride": s, "padding": pad, "dilation": d, "groups": c}
         x = tdt._channels_last(gc.random_tensor((n, c, *size), "fp16", gen))
         w = tdt._channels_last(gc.random_tensor((c, 1, *f), "fp16", gen))
-        ref = F.conv2d(x.float(), w.float(), stride=s, padding=pad, dilation=d, groups=c)
+        if a.direction == "fwd":
+            ref = F.conv2d(x.float(), w.float(), **geometry)
 
-        def cudnn():
-            return F.conv2d(x, w, stride=s, padding=pad, dilation=d, groups=c)
+            def peer():
+                return F.conv2d(x, w, **geometry)
 
-        def selected():
-            return tdt.conv(x, w, registry=reg, stride=s, padding=pad, dilation=d, groups=c)
+            def selected():
+                return tdt.conv(x, w, registry=reg, **geometry)
 
-        row = {"uses": ly["uses"], "cudnn_ms": graph_ms(cudnn), "kernels": {}}
+            def run(kernel, out):
+                reg.conv_fwd(x, w, out=out, kernel=kernel, **geometry)
+        else:
+            dy = tdt._channels_last(gc.random_tensor(tuple(F.conv2d(x, w, **geometry).shape), "fp16", gen))
+            ref = torch.nn.grad.conv2d_input(x.shape, w.float(), dy.float(), **geometry)
+            dx = tdt._channels_last(gc.poisoned(tuple(x.shape), "fp16"))
+
+            def peer():
+                return torch.nn.grad.conv2d_input(x.shape, w, dy, **geometry)
+
+            def run(kernel, out):
+                reg.conv_bwd_data(dy, w, out=out, kernel=kernel, **geometry)
+
+            def selected():
+                run(None, dx)
+                return dx
+        problem = ConvProblem(a.direction, n, c, c, c, size, f, s, d, pad, pad, "fp16", "fp16", "fp16")
+        row = {"uses": ly["uses"], "cudnn_ms": graph_ms(peer), "kernels": {}}
         try:
             y = selected()
-            problem = ConvProblem("fwd", n, c, c, c, tuple(size), tuple(f), tuple(s), tuple(d), tuple(pad), tuple(pad),
-                                  "fp16", "fp16", "fp16")
             row["selected"] = {"ms": graph_ms(selected), "rel_err": rel_err(y, ref), "kernel": reg.select(problem).name}
         except td.TileDispatchError as e:
             row["selected"] = {"error": f"{type(e).__name__}: {e}"[:300]}
-        for kernel in () if SELECTED_ONLY else reg.kernels:
+        for kernel in () if a.selected_only else reg.kernels:
             out = tdt._channels_last(gc.poisoned(tuple(ref.shape), "fp16"))
-
-            def call(kernel=kernel, out=out):
-                reg.conv_fwd(x, w, out=out, stride=s, padding=pad, dilation=d, groups=c, kernel=kernel.name)
             try:
-                call()
+                run(kernel.name, out)
                 torch.cuda.synchronize()
             except td.TileDispatchError:
-                continue  # not a kernel for this layer (filter size, channels per group)
-            row["kernels"][kernel.name] = {"ms": graph_ms(call), "rel_err": rel_err(out, ref)}
+                continue  # not a kernel for this layer (direction, filter size, channels per group)
+            row["kernels"][kernel.name] = {"ms": graph_ms(lambda k=kernel.name, o=out: run(k, o)),
+                                           "rel_err": rel_err(out, ref)}
         best = min(row["kernels"].items(), key=lambda kv: kv[1]["ms"], default=(None, {}))
         row["best_kernel"] = best[0]
         results["layers"][ly["id"]] = row
         sel = row["selected"].get("ms", math.nan)
         print(f"{ly['id']:52s} cuDNN {row['cudnn_ms'] * 1e3:7.1f} us  selected {sel * 1e3:7.1f}  best "
               f"{best[1].get('ms', math.nan) * 1e3:7.1f} ({(best[0] or '-')[:60]})", flush=True)
-        gc.write_results(results, a.out, "depthwise_probe")  # after every layer: a run cut short keeps its rows
-
-
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.float() - ref).norm() / ref.norm()).item()
+        gc.write_results(results, a.out, f"depthwise_probe_{a.direction}")  # after every layer: a cut run keeps its rows
 
 
 if __name__ == "__main__":

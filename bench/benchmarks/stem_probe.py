@@ -36,12 +36,14 @@ def graph_ms(fn) -> float:
     return TIMER(models.runner(fn, "cuda", True, warmup=2))["median_ms"]
 
 
-def setup(doc: str, table: str):
-    """A probe's command line (--bundle, --out), cuDNN in benchmark mode, the bundle loaded, a seeded CUDA generator
-    and the results dict (machine, versions, an empty `table`)."""
+def setup(doc: str, table: str, options: dict = None):
+    """A probe's command line (--bundle, --out, and `options`: flag -> add_argument's keywords), cuDNN in benchmark
+    mode, the bundle loaded, a seeded CUDA generator and the results dict (machine, versions, an empty `table`)."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bundle", required=True)
     ap.add_argument("--out", default=os.environ.get("OUT", str(Path(__file__).resolve().parents[1] / "results")))
+    for flag, keywords in (options or {}).items():
+        ap.add_argument(flag, **keywords)
     a = ap.parse_args()
     torch.backends.cudnn.benchmark = True
     results = {"machine": gc.machine(), "cudnn": torch.backends.cudnn.version(), "bundle": a.bundle, table: {}}
