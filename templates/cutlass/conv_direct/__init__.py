@@ -75,8 +75,11 @@ def problem_factor(problem, key) -> float:
     for each halo copy with no other block to run meanwhile. Wide tiles at stride 2 (a 28- or 32-wide tile's halo is
     57-65 pixels wide) took 1.3-4x the time of narrower ones on the suite's depthwise layers, where the tile model
     alone ranks them first (bench/results/depthwise_h200)."""
-    if key.signature.direction != "fwd" or common.extra(key, "occupancy") == 1:
+    if key.signature.direction != "fwd":
         return 1.0
+    cpg = common.extra(key, "cpg")
+    if (cpg and problem.c // problem.g != cpg) or common.extra(key, "occupancy") == 1:
+        return 1.0  # a kernel specialized for other groups refuses the problem: its rank does not matter
     need = problem_smem_bytes(problem, key)
     return 2.0 if need and common.arch(key)["smem_bytes"] // need < 2 else 1.0
 
