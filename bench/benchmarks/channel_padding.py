@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _gpu_common as gc  # noqa: E402
+from models import rel_err  # noqa: E402
 from stem_probe import graph_ms, setup  # noqa: E402  (models.py's CUDA-graph runner and timer)
 import tiledispatch.torch as tdt  # noqa: E402
 
@@ -35,10 +36,6 @@ LAYERS = {
 ROUTES = {"padded": (8, 16), "padded_8_bytes": (8,), "padded_16_bytes": (16,), "as_is": ()}
 CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 GRAD_W = {1: torch.nn.grad.conv1d_weight, 2: torch.nn.grad.conv2d_weight, 3: torch.nn.grad.conv3d_weight}
-
-
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.float() - ref).norm() / ref.norm()).item()
 
 
 def main() -> None:

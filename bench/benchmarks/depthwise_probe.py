@@ -28,29 +28,22 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _gpu_common as gc  # noqa: E402
 import models  # noqa: E402
-from stem_probe import setup  # noqa: E402
+from models import rel_err  # noqa: E402
+from stem_probe import graph_ms, setup  # noqa: E402
 import tiledispatch as td  # noqa: E402
 import tiledispatch.torch as tdt  # noqa: E402
 from tiledispatch.ops.conv import ConvProblem  # noqa: E402
 
 SUITE = Path(__file__).resolve().parents[1] / "suites" / "conv.json"
-TIMER = models.Timer("cuda", rounds=3, target_ms=3)
+TIMER = models.Timer("cuda", rounds=3, target_ms=3)  # shorter than stem_probe's: 191 layers x ~10 kernels
 OPTIONS = {"--direction": {"choices": ("fwd", "bwd_data"), "default": "fwd"},
            "--selected-only": {"action": "store_true", "help": "time cuDNN and the selected kernel only"}}
-
-
-def graph_ms(fn) -> float:
-    return TIMER(models.runner(fn, "cuda", True, warmup=2))["median_ms"]
 
 
 def depthwise_layers(direction: str) -> list[dict]:
     layers = json.loads(SUITE.read_text())["layers"]
     return [ly for ly in layers if ly["cls"] == "depthwise" and ly["rank"] == 2 and direction in ly["directions"]
             and ly["pad_hi"] == ly["pad_lo"]]  # PyTorch's convs pad symmetrically
-
-
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.float() - ref).norm() / ref.norm()).item()
 
 
 def main() -> None:
@@ -88,10 +81,11 @@ def main() -> None:
                 run(None, dx)
                 return dx
         problem = ConvProblem(a.direction, n, c, c, c, size, f, s, d, pad, pad, "fp16", "fp16", "fp16")
-        row = {"uses": ly["uses"], "cudnn_ms": graph_ms(peer), "kernels": {}}
+        row = {"uses": ly["uses"], "cudnn_ms": graph_ms(peer, TIMER), "kernels": {}}
         try:
             y = selected()
-            row["selected"] = {"ms": graph_ms(selected), "rel_err": rel_err(y, ref), "kernel": reg.select(problem).name}
+            row["selected"] = {"ms": graph_ms(selected, TIMER), "rel_err": rel_err(y, ref),
+                               "kernel": reg.select(problem).name}
         except td.TileDispatchError as e:
             row["selected"] = {"error": f"{type(e).__name__}: {e}"[:300]}
         for kernel in () if a.selected_only else reg.kernels:
@@ -101,7 +95,7 @@ def main() -> None:
                 torch.cuda.synchronize()
             except td.TileDispatchError:
                 continue  # not a kernel for this layer (direction, filter size, channels per group)
-            row["kernels"][kernel.name] = {"ms": graph_ms(lambda k=kernel.name, o=out: run(k, o)),
+            row["kernels"][kernel.name] = {"ms": graph_ms(lambda k=kernel.name, o=out: run(k, o), TIMER),
                                            "rel_err": rel_err(out, ref)}
         best = min(row["kernels"].items(), key=lambda kv: kv[1]["ms"], default=(None, {}))
         row["best_kernel"] = best[0]
@@ -109,7 +103,8 @@ def main() -> None:
         sel = row["selected"].get("ms", math.nan)
         print(f"{ly['id']:52s} cuDNN {row['cudnn_ms'] * 1e3:7.1f} us  selected {sel * 1e3:7.1f}  best "
               f"{best[1].get('ms', math.nan) * 1e3:7.1f} ({(best[0] or '-')[:60]})", flush=True)
-        gc.write_results(results, a.out, f"depthwise_probe_{a.direction}")  # after every layer: a cut run keeps its rows
+        # after every layer, so that a run cut short keeps its rows
+        gc.write_results(results, a.out, f"depthwise_probe_{a.direction}")
 
 
 if __name__ == "__main__":

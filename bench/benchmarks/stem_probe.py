@@ -31,9 +31,9 @@ TIMER = models.Timer("cuda", rounds=5, target_ms=5)
 STEMS = {"resnet50": (64, 7, 3), "mobilenet_v2": (32, 3, 1)}  # K, filter, padding; stride 2, C = 3
 
 
-def graph_ms(fn) -> float:
+def graph_ms(fn, timer: models.Timer = TIMER) -> float:
     """Milliseconds per call, fn captured in a CUDA graph and replayed (models.py's timing: median of rounds)."""
-    return TIMER(models.runner(fn, "cuda", True, warmup=2))["median_ms"]
+    return timer(models.runner(fn, "cuda", True, warmup=2))["median_ms"]
 
 
 def setup(doc: str, table: str, options: dict = None):
@@ -86,7 +86,7 @@ def main() -> None:
                 row["kernels"][kernel.name] = {"error": f"{type(e).__name__}: {e}"[:500]}
                 continue
             got = y if direction == "fwd" else y[:, :3]
-            err = ((got.double() - expect.double()).norm() / expect.double().norm()).item()
+            err = models.rel_err(got, expect)
             row["kernels"][kernel.name] = {"direction": direction, "channels": 3 if generic else 8,
                                            "ms": graph_ms(call), "rel_err_vs_cudnn": err}
             print(f"{name:13s} {direction:10s} C={3 if generic else 8} {kernel.name[:100]}  "
