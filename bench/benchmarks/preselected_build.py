@@ -2,8 +2,8 @@
 
     python3 bench/benchmarks/preselected_build.py counts                       # kernels per set and target
     python3 bench/benchmarks/preselected_build.py measure [--archs sm90a,sm80] [--jobs 16] [--budget 540] \\
-        [--state build/preselected_build] [--out bench/results/preselected_build_h100.json] [--sets a,b]
-    python3 bench/benchmarks/preselected_build.py table [--results bench/results/preselected_build_h100.json]
+        [--state build/preselected_build] [--out bench/results/preselected_build.json] [--sets a,b]
+    python3 bench/benchmarks/preselected_build.py table [--results bench/results/preselected_build.json]
 
 measure: each set with cutlass kernels for the arch, smallest first, built cold (a build directory of its own under
 --state, no kernel cache) with scons -jJOBS, as `scons kernels=SET backend=cutlass arch=ARCH` builds it for a user.
@@ -34,7 +34,7 @@ from tiledispatch.generator import kernelset  # noqa: E402
 
 PRESELECTED = REPO / "preselected"
 README = PRESELECTED / "README.md"
-RESULTS = REPO / "bench" / "results" / "preselected_build_h100.json"
+RESULTS = REPO / "bench" / "results" / "preselected_build.json"  # the machine is recorded inside
 TARGETS = ("cutlass/sm90a", "cutlass/sm80", "ck_tile/gfx90a", "ck_tile/gfx942", "ck_tile/gfx950", "cpu/x86v4")
 BEGIN, END = "<!-- preselected-table: bench/benchmarks/preselected_build.py table -->", "<!-- /preselected-table -->"
 SUMMARY = re.compile(r"(\d+) kernel\(s\): (\d+) compiled, (\d+) from cache, (\d+) up to date, (\d+) failed")
@@ -85,7 +85,7 @@ def build(set_name: str, arch: str, jobs: int, build_dir: Path, seconds: float) 
 
 def measure(a) -> int:
     results = read_results(a.out)
-    results["machine"] = {"cpu_count": os.cpu_count(), "jobs": a.jobs, "nvcc": _nvcc(),
+    results["machine"] = {"cpu": _cpu_model(), "cpu_count": os.cpu_count(), "jobs": a.jobs, "nvcc": _nvcc(),
                           "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30)}
     deadline = time.time() + a.budget
     wanted = a.sets.split(",") if a.sets else None
@@ -113,6 +113,14 @@ def measure(a) -> int:
     return 3 if left else 0
 
 
+def _cpu_model() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+
+
 def _nvcc() -> str:
     try:
         out = subprocess.run(["nvcc", "--version"], capture_output=True, text=True, timeout=30).stdout.strip()
@@ -127,7 +135,8 @@ def render_table(results: dict) -> str:
     shown = [t for t in TARGETS if any(t in n for n in sets.values())]
     described = kernelset.available_sets()
     machine = results.get("machine") or {}
-    where = (f"{machine.get('cpu_count')} cores, -j{machine.get('jobs')}, {machine.get('nvcc', '')}".rstrip(", ")
+    cpu = f"{machine['cpu']}, " if machine.get("cpu") else ""
+    where = (f"{cpu}{machine.get('cpu_count')} cores, -j{machine.get('jobs')}, {machine.get('nvcc', '')}".rstrip(", ")
              if machine else "not measured yet")
     lines = [f"| set | {' | '.join(shown)} | cold build, cutlass/sm90a | cold build, cutlass/sm80 | what |",
              "|---|" + "---:|" * (len(shown) + 2) + "---|"]
