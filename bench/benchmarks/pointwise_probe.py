@@ -1,10 +1,11 @@
 """Pointwise (1x1, unit stride, unpadded, dense) fp16 convolutions on the GPU, fwd with a bias (a folded batch
-norm), as the GEMMs they run as (ops/conv_as_gemm.py: Y[pixels, K] = X[pixels, C] . W[K, C]^T + b): every distinct
-such layer of the real-workload suite (bench/suites/conv.json, generated from torchvision's models) with C or K at
-most --narrow (default 48: mobile networks' expansions and projections), the peer at its best (cuDNN in benchmark
-mode on the channels-last conv with its bias, and cuBLAS through F.linear on the same rows; the faster kept) against
-each GEMM kernel of a bundle that runs the layer and against what Registry.gemm selects; every time in CUDA graphs
-(no host work), every output checked against PyTorch's float32 result.
+norm), as the GEMMs they run as (ops/conv_as_gemm.py: Y[pixels, K] = X[pixels, C] . W[K, C]^T + b): every GEMM of
+bench/suites/pointwise_gemms.json (the pointwise layers of the real-workload suite conv.json, which is generated
+from torchvision's models) with C or K at most --narrow (default 48: mobile networks' expansions and projections),
+the peer at its best (cuDNN in benchmark mode on the channels-last conv with its bias, and cuBLAS through F.linear
+on the same rows; the faster kept) against each GEMM kernel of a bundle that runs the layer and against what
+Registry.gemm selects; every time in CUDA graphs (no host work), every output checked against PyTorch's float32
+result.
 
     scons kernels=bench/sets/pointwise_probe.yaml backend=cutlass arch=sm90a bundle=pointwise_probe
     python3 bench/benchmarks/pointwise_probe.py --bundle build/pointwise_probe [--narrow 48] [--selected-only]
@@ -33,34 +34,25 @@ from stem_probe import graph_ms, setup  # noqa: E402
 import tiledispatch as td  # noqa: E402
 from tiledispatch.ops import gemm as gemm_op  # noqa: E402
 
-SUITE = Path(__file__).resolve().parents[1] / "suites" / "conv.json"
+SUITES = Path(__file__).resolve().parents[1] / "suites"
 TIMER = models.Timer("cuda", rounds=3, target_ms=3)
 OPTIONS = {"--narrow": {"type": int, "default": 48, "help": "layers with C or K at most this many channels"},
            "--selected-only": {"action": "store_true", "help": "time the peers and the selected kernel only"}}
 
 
-def pointwise_gemms(narrow: int) -> dict[tuple[int, int, int], dict]:
-    """(M, N, K) = (pixels of the batch, K, C) -> the suite's layers it stands for (their uses summed), for every
-    pointwise fwd layer with 16-byte aligned channel counts and C or K at most `narrow`."""
-    gemms: dict[tuple[int, int, int], dict] = {}
-    for ly in json.loads(SUITE.read_text())["layers"]:
-        pointwise = (ly["cls"] == "dense" and set(ly["filter"]) == {1} and set(ly["stride"]) == {1}
-                     and not any(ly["pad_lo"]) and not any(ly["pad_hi"]) and "fwd" in ly["directions"])
-        if not pointwise or ly["c"] % 8 or ly["k"] % 8 or min(ly["c"], ly["k"]) > narrow:
-            continue
-        shape = (ly["n"] * math.prod(ly["in_size"]), ly["k"], ly["c"])
-        row = gemms.setdefault(shape, {"layers": [], "uses": {}, "conv": ly})
-        row["layers"].append(ly["id"])
-        for model, count in ly["uses"].items():
-            row["uses"][model] = row["uses"].get(model, 0) + count
-    return gemms
+def pointwise_gemms(narrow: int) -> list[tuple[dict, dict]]:
+    """(shape, the first conv layer it stands for) for every GEMM of bench/suites/pointwise_gemms.json (the
+    suite's pointwise fwd layers with channel counts multiples of 8) with N or K at most `narrow`."""
+    layers = {ly["id"]: ly for ly in json.loads((SUITES / "conv.json").read_text())["layers"]}
+    shapes = json.loads((SUITES / "pointwise_gemms.json").read_text())["shapes"]
+    return [(s, layers[s["layers"][0]]) for s in shapes if min(s["n"], s["k"]) <= narrow]
 
 
 def main() -> None:
     a, reg, gen, results = setup(__doc__, "gemms", OPTIONS)
     results["narrow"] = a.narrow
-    for (m, n, k), info in pointwise_gemms(a.narrow).items():
-        ly = info["conv"]
+    for info, ly in pointwise_gemms(a.narrow):
+        m, n, k = info["m"], info["n"], info["k"]
         # channels-last activations and weights, as the models benchmark runs cuDNN (a weight in NCHW costs
         # cuDNN a layout transform per call)
         layout = {2: torch.channels_last, 3: torch.channels_last_3d}.get(ly["rank"], torch.contiguous_format)

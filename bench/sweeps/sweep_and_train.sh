@@ -7,7 +7,8 @@
 # Each sweep appends to its store under bench/results/sweeps/ and skips what is stored, so the command can be
 # rerun after a time limit cut it short (--budget-s stops collecting after that long); training reads every store
 # and writes runtime/tiledispatch/models/<backend>_<arch>_<task>.json with its .md card. Suites: bench/suites/
-# gemm.json and conv.json where they exist. Local Dask cluster over the visible GPUs; pass --scheduler ADDR for a
+# gemm.json (+ pointwise_gemms.json, the conv suite's 1x1 layers as GEMMs) and conv.json where they exist. Local
+# Dask cluster over the visible GPUs; pass --scheduler ADDR for a
 # running cluster.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -15,7 +16,7 @@ GEMM_BUNDLE=$1
 CONV_BUNDLE=$2
 shift 2
 suite() { [ -f "bench/suites/$1.json" ] && echo "--suite bench/suites/$1.json" || true; }
-python3 bench/sweeps/sweep.py "$GEMM_BUNDLE" gemm $(suite gemm) "$@"
+python3 bench/sweeps/sweep.py "$GEMM_BUNDLE" gemm $(suite gemm) $(suite pointwise_gemms) "$@"
 for direction in fwd bwd_data bwd_weight; do
   python3 bench/sweeps/sweep.py "$CONV_BUNDLE" conv --direction "$direction" $(suite conv) "$@"
 done

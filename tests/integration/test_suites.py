@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import re
 
 import pytest
@@ -148,6 +149,22 @@ def test_gemm_suite_is_what_the_generator_makes_of_the_configs_and_records():
     torchvision = generate.records_of_gemm_suite(GEMM, set(GEMM["torchvision_models"]))
     assert generate.build_gemm_suite({**generate.llm_records(), **torchvision}, header) == GEMM
     assert generate.dump(GEMM) == (REPO / "bench" / "suites" / "gemm.json").read_text()
+
+
+def test_pointwise_gemm_suite_is_what_conv_json_gives():
+    pointwise = _module("pointwise_gemms", REPO / "bench" / "suites" / "pointwise_gemms.py")
+    assert pointwise.main(["--check"]) == 0, "run python3 bench/suites/pointwise_gemms.py"
+    shapes = json.loads(pointwise.OUT.read_text())["shapes"]
+    layers = {e["id"]: e for e in CONV["layers"]}
+    covered = [ly for ly in CONV["layers"] if pointwise.is_pointwise(ly) and ly["c"] % 8 == 0 and ly["k"] % 8 == 0]
+    assert sum(len(s["layers"]) for s in shapes) == len(covered) and len({s["id"] for s in shapes}) == len(shapes)
+    for s in shapes:  # each layer's GEMM: pixels x K x C, and its uses summed
+        for lid in s["layers"]:
+            ly = layers[lid]
+            assert (s["m"], s["n"], s["k"]) == (ly["n"] * math.prod(ly["in_size"]), ly["k"], ly["c"])
+        assert sum(s["uses"].values()) == sum(sum(layers[lid]["uses"].values()) for lid in s["layers"])
+    mobilenet = next(s for s in shapes if (s["m"], s["n"], s["k"]) == (32 * 112 * 112, 96, 16))
+    assert "mobilenet_v2" in mobilenet["uses"]
 
 
 def test_gemm_suite_invariants():
