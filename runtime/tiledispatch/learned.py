@@ -39,6 +39,10 @@ CONV_FEATURES = (
     "log2_analytic_cost", "tile_intensity",
 )
 FEATURES = {"gemm": GEMM_FEATURES, "conv": CONV_FEATURES}
+# the features a kernel alone decides (its key and selection's per-key statics), whatever the problem
+KERNEL_FEATURES = frozenset({
+    "tile_m", "tile_n", "tile_k", "mma_m", "mma_n", "mma_k", "warps", "stages", "split_k", "cluster_m", "cluster_n",
+    "cooperative", "stream_k", "resident_ctas", "log2_cost_factor", "tile_intensity"})
 TASKS = ("gemm", "conv_fwd", "conv_bwd_data", "conv_bwd_weight")  # one model per backend, arch and task
 
 
@@ -170,27 +174,53 @@ class TreeEnsemble:
         if n and (self.left.min() < 0 or self.right.max() >= n or self.left.max() >= n or self.right.min() < 0):
             raise ValueError("tree child index out of range")
 
-    def predict(self, x: np.ndarray) -> np.ndarray:
-        """One prediction per row of x (rows x features)."""
+    def predict(self, x: np.ndarray, rows_token=None, row_columns: frozenset = frozenset()) -> np.ndarray:
+        """One prediction per row of x (rows x features). row_columns: columns whose values depend on the row's
+        kernel alone (its tile, warps, ...), the same for every problem while the rows are the kernels that
+        rows_token names; what those columns leave of each tree's leaves is then kept per token, so that a new
+        problem only searches the columns it changes."""
         masks = self._masks
         if masks is None:  # a tree with more leaves than a mask has bits
             return self.walk(x)
         tables, leaf_values, offsets, bits = masks
+        kept = None if rows_token is None else self._row_masks.get(rows_token)
         varying, common = [], np.full(len(self.roots), ~bits.type(0))
         for f, (thresholds, table) in tables.items():
+            if kept is not None and f in row_columns:
+                continue  # in the kept masks
             column = x[:, f]
             if len(column) and (column == column[0]).all():  # a feature of the problem alone: one table row for all
                 common &= table[np.searchsorted(thresholds, column[0], side="left")]
+            elif rows_token is not None and f in row_columns:
+                kept = self._keep_row_masks(x, rows_token, row_columns)  # every row column, constant ones too
             else:
                 varying.append((column, thresholds, table))
         alive = np.empty((x.shape[0], len(self.roots)), dtype=bits.type)
         alive[:] = common
+        if kept is not None:
+            alive &= kept
         for column, thresholds, table in varying:
             alive &= table[np.searchsorted(thresholds, column, side="left")]
         lowest = alive & (~alive + bits.type(1))  # the lowest set bit: the leftmost leaf left
         # its index: the exponent of the power of two as a float (exact, whatever the float's width)
         exponent = lowest.astype(bits.float).view(bits.int) >> bits.mantissa
         return leaf_values.take(exponent + offsets).sum(axis=1)
+
+    def _keep_row_masks(self, x: np.ndarray, rows_token, row_columns: frozenset) -> np.ndarray:
+        """[row, tree]: what the row_columns leave of each tree's leaves, kept for the token (the most recent 64)."""
+        tables, bits = self._masks[0], self._masks[3]
+        alive = np.full((x.shape[0], len(self.roots)), ~bits.type(0))
+        for f in sorted(row_columns & tables.keys()):
+            thresholds, table = tables[f]
+            alive &= table[np.searchsorted(thresholds, x[:, f], side="left")]
+        self._row_masks[rows_token] = alive
+        if len(self._row_masks) > 64:
+            self._row_masks.popitem(last=False)
+        return alive
+
+    @functools.cached_property
+    def _row_masks(self) -> OrderedDict:
+        return OrderedDict()
 
     @functools.cached_property
     def _masks(self):
@@ -279,6 +309,7 @@ class Model:
         if tuple(data["features"]) != FEATURES[self.op]:
             raise ValueError(f"{origin}: the model's features differ from this runtime's ({self.op})")
         self.trees = TreeEnsemble(data["trees"])
+        self.kernel_columns = frozenset(i for i, name in enumerate(FEATURES[self.op]) if name in KERNEL_FEATURES)
         self.meta = data.get("trained", {})
         # what identifies this model: its trees, features and domain (not where the file lies)
         body = json.dumps({k: data[k] for k in ("features", "applies_to", "trees")}, sort_keys=True)
@@ -318,7 +349,7 @@ class Model:
     def predicted_times(self, problem, keys, names=None) -> tuple[np.ndarray, str]:
         """(each key's predicted time, its unit): milliseconds for a throughput model (log1p_tflops), else the
         time relative to the problem's best kernel ("x_best")."""
-        raw = self.trees.predict(features(problem, keys, names))
+        raw = self._predict(problem, keys, names)
         kind = self._target.split(":", 1)[0]
         if kind == "log1p_tflops":
             return problem.flops() / (np.maximum(np.expm1(raw), 1e-12) * 1e12) * 1e3, "ms"
@@ -329,7 +360,11 @@ class Model:
     def predict(self, problem, keys, names=None) -> np.ndarray:
         """The model's score of each key on the problem, lower is better (e.g. the predicted log(time / best
         time), or minus a predicted throughput)."""
-        return self.sign * self.trees.predict(features(problem, keys, names))
+        return self.sign * self._predict(problem, keys, names)
+
+    def _predict(self, problem, keys, names) -> np.ndarray:
+        # with the kernels' names, what the kernel-only features leave of the trees is kept per kernel list
+        return self.trees.predict(features(problem, keys, names), names, self.kernel_columns)
 
 
 def _what_the_model_sees(key) -> tuple:

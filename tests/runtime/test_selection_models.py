@@ -11,6 +11,7 @@ import pytest
 
 import tiledispatch as td
 from tiledispatch import learned, reference, selection, tuning, validation
+from tiledispatch.ops.conv import ConvProblem
 from tiledispatch.ops.gemm import GemmProblem
 from tiledispatch.spec.key import parse_kernel_name
 
@@ -90,6 +91,44 @@ def test_leaf_mask_evaluation_matches_the_tree_walk(leaves):
     assert (ensemble._masks is None) == (leaves > 64)
     if ensemble._masks is not None:
         assert ensemble._masks[3].type == (np.uint32 if leaves <= 32 else np.uint64)
+
+@pytest.mark.parametrize("leaves", [31, 33, 65])
+def test_kept_kernel_column_masks_change_no_prediction(leaves):
+    """Columns 0-1 play the kernels' (the same per row whatever the problem), 2-4 the problem's: predictions with
+    the kernel columns' masks kept per rows token equal the plain ones, for the call that keeps them, for later
+    problems on the same rows, for another row set, and with every kernel column alike across the rows."""
+    rng = np.random.default_rng(leaves)
+    ensemble = learned.TreeEnsemble(random_trees(rng, 40, leaves, 5))
+    kernels = rng.integers(-4, 5, size=(60, 2)).astype(np.float64)
+    for token, rows in (("a", kernels), ("b", kernels[::-1]), ("a", kernels), ("c", np.ones((60, 2)))):
+        for _ in range(3):  # new problems on the same kernels
+            problem = rng.integers(-4, 5, size=(60, 3)) + rng.choice([0.0, 0.5], size=(60, 3))
+            problem[:, 2] = problem[0, 2]  # one feature of the problem alone, another varying with the kernel
+            x = np.column_stack([rows, problem])
+            np.testing.assert_allclose(ensemble.predict(x, token, frozenset({0, 1})), ensemble.walk(x),
+                                       rtol=1e-12, atol=1e-12)
+    assert (ensemble._masks is None) or set(ensemble._row_masks) <= {"a", "b", "c"}
+
+
+def test_kernel_features_are_the_keys_alone():
+    """The features the ranker keeps per kernel list are the same for a kernel list on any two problems."""
+    from tiledispatch.generator import kernelset
+
+    keys = [e.key for e in kernelset.load(["fp16_rcr_full"], "cutlass", "sm90a")]
+    one, two = (learned.features(GemmProblem(m, n, k, "fp16", "fp16", "fp16"), keys)
+                for m, n, k in ((1, 4096, 14336), (8192, 256, 64)))
+    columns = [i for i, name in enumerate(learned.GEMM_FEATURES) if name in learned.KERNEL_FEATURES]
+    assert len(columns) == 10 and np.array_equal(one[:, columns], two[:, columns])
+    assert not np.array_equal(one, two)
+    conv = [e.key for e in kernelset.load(["conv_fp16_all_essential"], "cutlass", "sm90a")
+            if e.key.signature.op == "conv" and e.key.signature.direction == "fwd" and e.key.signature.spatial_dims == 2]
+    one, two = (learned.features(ConvProblem("fwd", n, g, c, k, size, f, (1, 1), (1, 1), pad, pad, "fp16", "fp16",
+                                             "fp16"), conv)
+                for n, g, c, k, size, f, pad in ((32, 1, 64, 64, (56, 56), (3, 3), (1, 1)),
+                                                 (8, 96, 96, 96, (14, 14), (5, 5), (2, 2))))
+    columns = [i for i, name in enumerate(learned.CONV_FEATURES) if name in learned.KERNEL_FEATURES]
+    assert len(columns) == 14 and np.array_equal(one[:, columns], two[:, columns])
+
 
 def test_shipped_model_beat_analytic_in_training():
     model = learned.model_for("cutlass", "sm90a", "gemm")
