@@ -5,8 +5,8 @@ the same for the pool's fastest kernel (its oracle). Used to choose which of a p
 from without building one bundle per choice.
 
     python3 bench/benchmarks/pointwise_pools.py bench/results/pointwise_h200/pointwise_probe_set_h200.json \
-        [--narrow 48] [--pool NAME=TILE,TILE ...]    # TILE as in kernel names: t256x64x64 (a pipeline suffix
-                                                     # p / c picks pingpong / cooperative)
+        [--narrow 48] [--pool NAME=TILE,TILE ...]    # TILE: t<m>x<n>x<k> and p (pingpong) or c
+                                                     # (cooperative), e.g. t256x64x64c
 """
 from __future__ import annotations
 

@@ -107,7 +107,8 @@ def test_kept_kernel_column_masks_change_no_prediction(leaves):
             x = np.column_stack([rows, problem])
             np.testing.assert_allclose(ensemble.predict(x, token, frozenset({0, 1})), ensemble.walk(x),
                                        rtol=1e-12, atol=1e-12)
-    assert (ensemble._masks is None) or set(ensemble._row_masks) <= {"a", "b", "c"}
+    # kept for the row sets whose kernel columns differ between rows; "c"'s are alike, looked up once per problem
+    assert ensemble._masks is None or set(ensemble._row_masks) == {"a", "b"}
 
 
 def test_kernel_features_are_the_keys_alone():
