@@ -53,13 +53,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="compare with the file instead of writing it")
     a = ap.parse_args(argv)
-    text = json.dumps(suite(), indent=1) + "\n"
+    data = suite()
+    text = json.dumps(data, indent=1) + "\n"
     if a.check:
         same = OUT.exists() and OUT.read_text() == text
         print(f"{OUT.name}: {'up to date' if same else 'differs from what conv.json gives'}")
         return 0 if same else 1
     OUT.write_text(text)
-    print(f"wrote {OUT} ({len(suite()['shapes'])} shapes)")
+    print(f"wrote {OUT} ({len(data['shapes'])} shapes)")
     return 0
 
 

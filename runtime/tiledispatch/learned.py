@@ -173,6 +173,7 @@ class TreeEnsemble:
             raise ValueError("tree arrays differ in length")
         if n and (self.left.min() < 0 or self.right.max() >= n or self.left.max() >= n or self.right.min() < 0):
             raise ValueError("tree child index out of range")
+        self._row_masks: OrderedDict = OrderedDict()  # rows token -> _keep_row_masks' [row, tree] masks
 
     def predict(self, x: np.ndarray, rows_token=None, row_columns: frozenset = frozenset()) -> np.ndarray:
         """One prediction per row of x (rows x features). row_columns: columns whose values depend on the row's
@@ -217,10 +218,6 @@ class TreeEnsemble:
         if len(self._row_masks) > 64:
             self._row_masks.popitem(last=False)
         return alive
-
-    @functools.cached_property
-    def _row_masks(self) -> OrderedDict:
-        return OrderedDict()
 
     @functools.cached_property
     def _masks(self):
