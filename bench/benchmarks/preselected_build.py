@@ -145,8 +145,11 @@ def render_table(results: dict) -> str:
         for arch in ("sm90a", "sm80"):
             entry = results.get("sets", {}).get(f"{name} cutlass/{arch}", {})
             cold = entry.get("cold_seconds")
+            built = entry.get("kernels")  # a set that changed since its build was timed says so
+            stale = f" ({built} of {n[f'cutlass/{arch}']} kernels)" if cold is not None and built is not None \
+                and f"cutlass/{arch}" in n and built != n[f"cutlass/{arch}"] else ""
             cells.append("-" if f"cutlass/{arch}" not in n else
-                         f"{cold / 60:.1f} min" if cold is not None else "not measured")
+                         f"{cold / 60:.1f} min{stale}" if cold is not None else "not measured")
         lines.append(f"| `{name}` | " + " | ".join(cells) + f" | {described.get(name, '')} |")
     return "\n".join([BEGIN, "", f"Cold builds: {where}.", "", *lines, "", END])
 

@@ -253,22 +253,22 @@ def _operands(problem, device: str, seed: int) -> dict:
         layouts = {}
     tensors = {}
     for role, shape in shapes.items():
-        dt = numpy_dtype(dtypes[role])
-        if layouts.get(role) == "c":  # column-major operand: the transpose of a row-major array
-            host = (rng.uniform(0.5, 1.0, shape[:-2] + shape[:-3:-1])).astype(np.float32).swapaxes(-1, -2)
-        else:
-            host = rng.uniform(0.5, 1.0, shape).astype(np.float32)
-        if np.issubdtype(dt, np.integer):
-            host = (host * 4).round()
-        host = host.astype(dt)
-        if device == "cuda":
+        column_major = layouts.get(role) == "c"  # stored as the transpose of a row-major array
+        stored = shape[:-2] + shape[:-3:-1] if column_major else shape
+        integer = np.issubdtype(numpy_dtype(dtypes[role]), np.integer)
+        if device == "cuda":  # drawn on the GPU: the host would take seconds for the suites' largest operands
             import torch
 
-            host = torch.from_numpy(np.ascontiguousarray(host).view(np.uint8)).to("cuda").view(
-                getattr(torch, _TORCH[dtypes[role]])).reshape(host.shape)
-            if layouts.get(role) == "c":
-                host = host.mT.contiguous().mT
-        tensors[role] = host
+            gen = torch.Generator(device="cuda").manual_seed(seed + len(tensors))
+            values = torch.empty(stored, dtype=torch.float32, device="cuda").uniform_(0.5, 1.0, generator=gen)
+            values = (values * 4).round() if integer else values
+            values = values.to(getattr(torch, _TORCH[dtypes[role]]))
+            tensors[role] = values.mT if column_major else values
+            continue
+        values = rng.uniform(0.5, 1.0, stored).astype(np.float32)
+        values = (values * 4).round() if integer else values
+        values = values.astype(numpy_dtype(dtypes[role]))
+        tensors[role] = values.swapaxes(-1, -2) if column_major else values
     return tensors
 
 
@@ -366,7 +366,9 @@ def local_cluster(device: str, workers: Optional[int]):
         count = workers or 1
         threads = str(max(1, (os.cpu_count() or 1) // count))
         envs = {f"cpu{i}": {"OMP_NUM_THREADS": threads} for i in range(count)}
-    specs = {name: {"cls": Nanny, "options": {"nthreads": 1, "env": env, "dashboard": False}}
+    # no host memory limit: Dask's default share of the machine's memory (its total over the core count) is
+    # below what a CUDA context and torch map in one process, and a worker paused at that limit sweeps nothing
+    specs = {name: {"cls": Nanny, "options": {"nthreads": 1, "env": env, "dashboard": False, "memory_limit": 0}}
              for name, env in envs.items()}
     return SpecCluster(workers=specs, scheduler={"cls": Scheduler, "options": {"dashboard": False}}, silence_logs=40)
 

@@ -258,6 +258,14 @@ def test_train_a_gemm_model_on_the_shipped_features(tiny_bundle, tmp_path, monke
     assert [p.name for p in written] == [f"cpu_{ARCH}_gemm.json"]
     data = json.loads(written[0].read_text())
     assert data["features"] == list(learned.GEMM_FEATURES) and data["target"].startswith("ratio")
+    # retrained against the model it replaces: that model's picks on the same problems, in the card
+    again = train.train([str(p) for p in (tmp_path / "sweeps").glob("*.jsonl.gz")], tmp_path / "again",
+                        folds=3, rounds=15, params={**train.PARAMS, "min_child_samples": 3},
+                        against=[str(written[0])], log=lambda *_: None)
+    scored = json.loads(again[0].read_text())["trained"]["validation"][f"against {written[0].name}"]
+    assert scored["model"]["problems"] == data["trained"]["problems"] and 0 < scored["model"]["mean"] <= 1
+    assert scored["version"] == learned.Model(data).version
+    assert f"against {written[0].name}" in again[0].with_suffix(".md").read_text()
     monkeypatch.setattr(learned, "MODELS_DIR", written[0].parent)
     learned.model_for.cache_clear()
     try:
