@@ -6,7 +6,8 @@
 #
 # Each sweep appends to its store under bench/results/sweeps/ and skips what is stored, so the command can be
 # rerun after a time limit cut it short (--budget-s stops collecting after that long); training reads every store
-# and writes runtime/tiledispatch/models/<backend>_<arch>_<task>.json with its .md card. Suites: bench/suites/
+# and writes runtime/tiledispatch/models/<backend>_<arch>_<task>.json with its .md card (which scores the model
+# it replaces on the same problems). Suites: bench/suites/
 # gemm.json (+ pointwise_gemms.json, the conv suite's 1x1 layers as GEMMs) and conv.json where they exist. Local
 # Dask cluster over the visible GPUs; pass --scheduler ADDR for a
 # running cluster.
@@ -20,4 +21,11 @@ python3 bench/sweeps/sweep.py "$GEMM_BUNDLE" gemm $(suite gemm) $(suite pointwis
 for direction in fwd bwd_data bwd_weight; do
   python3 bench/sweeps/sweep.py "$CONV_BUNDLE" conv --direction "$direction" $(suite conv) "$@"
 done
-python3 bench/sweeps/train.py bench/results/sweeps/*.jsonl.gz
+# each new model's card also scores the model it replaces on the same problems (train.py --against)
+replaced=$(mktemp -d)
+trap 'rm -rf "$replaced"' EXIT
+against=()
+for model in runtime/tiledispatch/models/*.json; do
+  [ -f "$model" ] && cp "$model" "$replaced/" && against+=(--against "$replaced/$(basename "$model")")
+done
+python3 bench/sweeps/train.py bench/results/sweeps/*.jsonl.gz "${against[@]}"
