@@ -144,12 +144,14 @@ def render_table(results: dict) -> str:
         cells = [str(n.get(t, "-")) for t in shown]
         for arch in ("sm90a", "sm80"):
             entry = results.get("sets", {}).get(f"{name} cutlass/{arch}", {})
-            cold = entry.get("cold_seconds")
-            built = entry.get("kernels")  # a set that changed since its build was timed says so
-            stale = f" ({built} of {n[f'cutlass/{arch}']} kernels)" if cold is not None and built is not None \
-                and f"cutlass/{arch}" in n and built != n[f"cutlass/{arch}"] else ""
-            cells.append("-" if f"cutlass/{arch}" not in n else
-                         f"{cold / 60:.1f} min{stale}" if cold is not None else "not measured")
+            cold, built, now = entry.get("cold_seconds"), entry.get("kernels"), n.get(f"cutlass/{arch}")
+            if now is None:
+                cells.append("-")
+            elif cold is None:
+                cells.append("not measured")
+            else:  # a set that changed since its build was timed says so
+                stale = f" ({built} of {now} kernels)" if built not in (None, now) else ""
+                cells.append(f"{cold / 60:.1f} min{stale}")
         lines.append(f"| `{name}` | " + " | ".join(cells) + f" | {described.get(name, '')} |")
     return "\n".join([BEGIN, "", f"Cold builds: {where}.", "", *lines, "", END])
 

@@ -255,19 +255,17 @@ def _operands(problem, device: str, seed: int) -> dict:
     for role, shape in shapes.items():
         column_major = layouts.get(role) == "c"  # stored as the transpose of a row-major array
         stored = shape[:-2] + shape[:-3:-1] if column_major else shape
-        integer = np.issubdtype(numpy_dtype(dtypes[role]), np.integer)
         if device == "cuda":  # drawn on the GPU: the host would take seconds for the suites' largest operands
             import torch
 
             gen = torch.Generator(device="cuda").manual_seed(seed + len(tensors))
             values = torch.empty(stored, dtype=torch.float32, device="cuda").uniform_(0.5, 1.0, generator=gen)
-            values = (values * 4).round() if integer else values
-            values = values.to(getattr(torch, _TORCH[dtypes[role]]))
-            tensors[role] = values.mT if column_major else values
-            continue
-        values = rng.uniform(0.5, 1.0, stored).astype(np.float32)
-        values = (values * 4).round() if integer else values
-        values = values.astype(numpy_dtype(dtypes[role]))
+        else:
+            values = rng.uniform(0.5, 1.0, stored).astype(np.float32)
+        if np.issubdtype(numpy_dtype(dtypes[role]), np.integer):
+            values = (values * 4).round()
+        values = (values.to(getattr(torch, _TORCH[dtypes[role]])) if device == "cuda"
+                  else values.astype(numpy_dtype(dtypes[role])))
         tensors[role] = values.swapaxes(-1, -2) if column_major else values
     return tensors
 
