@@ -120,11 +120,14 @@ def load_suite(path: Path, *, op: str, direction: Optional[str], dtype: str, lay
 
 def random_problems(op: str, count: int, seed: int, *, direction: Optional[str], dtype: str,
                     layout: Optional[str], max_flop: float = MAX_FLOP) -> list[dict]:
-    """count log-uniform problems (GEMM: M 1..16384, N and K multiples of 8; conv: 2D with batch, channels,
-    groups, image and filter sizes, stride and dilation drawn over the ranges networks use), each of at most
-    max_flop."""
+    """count log-uniform problems (GEMM: M 1..16384, N and K multiples of 8; conv: batch, channels, groups, image
+    and filter sizes and stride drawn over the ranges networks use; 2D, and 1D or 3D in two draws of five),
+    each of at most max_flop."""
     rng = random.Random(seed)
-    logu = lambda lo, hi: round(2 ** rng.uniform(math.log2(lo), math.log2(hi)))  # noqa: E731
+    # the rank and what only 1D / 3D problems need come from a second stream, so the 2D problems are the ones
+    # the 2D-only generator drew (stores swept with it stay valid)
+    rank_rng = random.Random(f"{seed}/rank")
+    logu = lambda lo, hi, r=rng: round(2 ** r.uniform(math.log2(lo), math.log2(hi)))  # noqa: E731
     out, seen = [], set()
     while len(out) < count:
         if op == "gemm":
@@ -138,6 +141,21 @@ def random_problems(op: str, count: int, seed: int, *, direction: Optional[str],
             f = rng.choice((1, 1, 3, 3, 3, 5, 7))
             d = {"n": logu(1, 64), "g": g, "c": g * cg, "k": g * kg, "in_size": [size, size],
                  "filter_size": [f, f], "stride": rng.choice((1, 1, 1, 2)), "dilation": 1, "padding": f // 2}
+            rank = rank_rng.choice((1, 2, 2, 2, 3))
+            # networks' channel counts: mostly multiples of 8 (what the TMA kernels take), some groups of 4
+            shape = rank_rng.random()
+            if g > 1 and cg > 1 and shape < 0.1:
+                d.update(c=4 * g, k=4 * g)
+            elif g == 1 and shape < 0.6:
+                d.update(c=8 * max(1, round(cg / 8)), k=8 * max(1, round(kg / 8)))
+            if rank == 1:  # sequences: audio and text lengths, some even filters (wav2vec2's 2 and 4)
+                f = rank_rng.choice((f, f, f, 2, 4))
+                d.update(in_size=[size * logu(1, 64, rank_rng)], filter_size=[f], padding=f // 2)
+            elif rank == 3:  # video clips: a few frames, temporal filter 1 or 3
+                depth, ft = logu(2, 16, rank_rng), rank_rng.choice((1, 3))
+                pad = [ft // 2, f // 2, f // 2]
+                d.update(in_size=[depth, size, size], filter_size=[ft, f, f], pad_lo=pad, pad_hi=pad,
+                         stride=[1, d["stride"], d["stride"]])
         try:
             problem = problem_from_dict(d, op=op, direction=direction, dtype=dtype, layout=layout)
         except ValueError:

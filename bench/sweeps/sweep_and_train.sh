@@ -2,7 +2,11 @@
 # From bundles to shipped models in one command: sweep GEMM and every conv direction, then train.
 #
 #   bash bench/sweeps/sweep_and_train.sh GEMM_BUNDLE CONV_BUNDLE [EXTRA SWEEP OPTIONS...]
-#   e.g. bash bench/sweeps/sweep_and_train.sh build/fp16_rcr_full build/conv_fp16_all_essential --random 400 --budget-s 500
+#   e.g. bash bench/sweeps/sweep_and_train.sh build/fp16_rcr_full build/conv_sweep --random 900 --budget-s 500
+#
+# CONV_BUNDLE: the conv set's kernels with identity epilogues, so that every tile runs on the suites' plain problems
+# (python bench/sweeps/identity_set.py conv_fp16_all_essential -o build/conv_sweep.yaml, then
+# scons kernels=build/conv_sweep.yaml backend=cutlass arch=sm90a bundle=conv_sweep).
 #
 # Each sweep appends to its store under bench/results/sweeps/ and skips what is stored, so the command can be
 # rerun after a time limit cut it short (--budget-s stops collecting after that long); training reads every store

@@ -1,9 +1,9 @@
 """The learned ranker: a tree ensemble, trained on the project's own benchmark sweeps, that predicts how
 much slower each kernel is than the best one for a problem; the ranker sorts by that prediction.
 
-Models are data (models/<backend>_<arch>_<op>.json, written by bench/sweeps/train_ranker.py from LightGBM):
+Models are data (models/<backend>_<arch>_<task>.json, written by bench/sweeps/train.py from LightGBM):
 per node a feature, a threshold and two children, evaluated here with numpy for every tree and every
-candidate at once. The features come from one function (gemm_features) that both training and the
+candidate at once. The features come from one function (features) that both training and the
 runtime call, so the two can never disagree about what a feature means.
 """
 from __future__ import annotations
@@ -406,12 +406,16 @@ def model_of(kernels) -> Optional[Model]:
 
 
 def split(problem, kernels) -> tuple[list, list]:
-    """(the kernels a shipped model covers, the others)."""
+    """(the kernels a shipped model covers, the others). Where the model's domain holds a kernel its card says it
+    was never trained on, it ranks none of them (its prediction for that kernel would be a guess, and the
+    kernels it knows would all rank before it): the caller's analytic order takes them all."""
     model = model_of(kernels)
     if model is None:
         return [], list(kernels)
-    token = (model.version, tuple(kern.name for kern in kernels))  # applies() reads the keys alone
-    covers = _memo(_COVERS, token, lambda: [model.applies(problem, kern.key) for kern in kernels])
+    token = (model.version, tuple(kern.name for kern in kernels))  # applies() and knows() read the keys alone
+    covers = _memo(_COVERS, token, lambda: _coverage(model, kernels))
+    if not covers:
+        return [], list(kernels)
     covered, rest = [], []
     for kern, covered_by_model in zip(kernels, covers):
         (covered if covered_by_model else rest).append(kern)
@@ -421,12 +425,21 @@ def split(problem, kernels) -> tuple[list, list]:
 _COVERS: OrderedDict = OrderedDict()  # (model version, kernel names) -> whether the model applies to each
 
 
+def _coverage(model, kernels) -> list:
+    """Whether the model applies to each kernel; empty where it applies to one it never saw (a card that lists
+    no kernels, an older model file, vouches for all of them)."""
+    covers = [model.applies(None, kern.key) for kern in kernels]
+    if model.kernel_names and any(c and not model.knows(kern.key) for c, kern in zip(covers, kernels)):
+        return []
+    return covers
+
+
 def scores(problem, kernels) -> Optional[np.ndarray]:
-    """The model's prediction for each kernel, or None when no model covers every kernel."""
-    model = model_of(kernels)
-    if model is None or not all(model.applies(problem, kern.key) for kern in kernels):
+    """The model's prediction for each kernel, or None when no model covers every kernel (split)."""
+    covered, rest = split(problem, kernels)
+    if not covered or rest:
         return None
-    return model.predict(problem, [kern.key for kern in kernels], tuple(kern.name for kern in kernels))
+    return model_of(kernels).predict(problem, [kern.key for kern in kernels], tuple(kern.name for kern in kernels))
 
 
 def rank(problem, kernels, *, covered: bool = False) -> Optional[list]:

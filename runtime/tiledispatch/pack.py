@@ -64,7 +64,7 @@ def create(bundle_dirs: Iterable[Union[str, Path]], output: Union[str, Path], *,
     """Write a pack of the given bundle directories to `output` (atomically) and return its manifest.
     Every bundle is checked as load() checks it (manifest structure, each library's sha256 and embedded
     key) before anything is written. The runtime's learned models for the packed backends / arches are
-    included, and model_files (learned models, <backend>_<arch>_<op>.json, as bench/sweeps/train_ranker.py
+    included, and model_files (learned models, <backend>_<arch>_<task>.json, as bench/sweeps/train.py
     writes them) instead of the runtime's of the same name; tuning_files: tuning record files to carry."""
     import tiledispatch
 

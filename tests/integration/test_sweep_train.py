@@ -75,6 +75,12 @@ def suite_problems(tmp_path, direction="fwd"):
     return sweep.load_suite(path, op="conv", direction=direction, dtype="fp32", layout=None)
 
 
+def random_2d(count: int, seed: int, direction: str) -> list[dict]:
+    """count random 2D problems (the tiny bundle's kernels are 2D)."""
+    drawn = sweep.random_problems("conv", 4 * count, seed, direction=direction, dtype="fp32", layout=None, max_flop=2e7)
+    return [e for e in drawn if e["problem"].spatial_dims == 2][:count]
+
+
 def test_suite_files_and_random_problems(tmp_path):
     fwd = suite_problems(tmp_path)
     assert [e["groups"] for e in fwd] == [["neta"], ["neta"], ["netb"]]  # the last entry is for the backward sweeps
@@ -91,6 +97,9 @@ def test_suite_files_and_random_problems(tmp_path):
     assert all(e["problem"].direction == "bwd_weight" and e["problem"].flops() <= 1e8 for e in drawn)
     assert drawn == sweep.random_problems("conv", 12, 5, direction="bwd_weight", dtype="fp32", layout=None,
                                           max_flop=1e8)
+    ranks = [e["problem"].spatial_dims for e in sweep.random_problems("conv", 60, 5, direction="fwd", dtype="fp32",
+                                                                      layout=None, max_flop=1e8)]
+    assert set(ranks) == {1, 2, 3} and ranks.count(2) > 20
     gemms = sweep.random_problems("gemm", 8, 1, direction=None, dtype="fp32", layout=None, max_flop=1e8)
     assert all(e["problem"].n % 8 == 0 and e["problem"].layout == "rcr" for e in gemms)
 
@@ -106,8 +115,7 @@ def test_store_drops_a_cut_short_append(tmp_path):
 
 
 def test_sharded_sweep_resumes_and_matches_one_worker(tiny_bundle, tmp_path):
-    problems = suite_problems(tmp_path) + sweep.random_problems("conv", 3, 2, direction="fwd", dtype="fp32",
-                                                               layout=None, max_flop=2e7)
+    problems = suite_problems(tmp_path) + random_2d(3, 2, "fwd")
     kw = dict(direction="fwd", batch_ms=0.2, repeats=2, log=lambda *_: None)
     two = sweep.sweep([str(tiny_bundle)], "conv", problems, out_dir=tmp_path / "two", workers=2, **kw)
     store = Path(two["store"])
@@ -137,8 +145,7 @@ def test_sharded_sweep_resumes_and_matches_one_worker(tiny_bundle, tmp_path):
 def _train(tiny_bundle, tmp_path, direction, count=24):
     import train
 
-    problems = suite_problems(tmp_path, direction) + sweep.random_problems(
-        "conv", count, 7, direction=direction, dtype="fp32", layout=None, max_flop=2e7)
+    problems = suite_problems(tmp_path, direction) + random_2d(count, 7, direction)
     sweep.sweep([str(tiny_bundle)], "conv", problems, direction=direction, out_dir=tmp_path / "sweeps", workers=1,
                 batch_ms=0.2, repeats=2, log=lambda *_: None)
     stores = sorted(str(p) for p in (tmp_path / "sweeps").glob("*.jsonl.gz"))
@@ -282,3 +289,21 @@ def test_train_a_gemm_model_on_the_shipped_features(tiny_bundle, tmp_path, monke
         assert selection.learned(p, fits)[0] is fits[best]
     finally:
         learned.model_for.cache_clear()
+
+
+def test_identity_set_has_every_tile_of_the_set_with_identity_epilogues(tmp_path):
+    import identity_set
+
+    from tiledispatch import learned
+    from tiledispatch.generator import kernelset
+
+    out = tmp_path / "conv_sweep.yaml"
+    assert identity_set.main(["conv_fp16_all_essential", "--backend", "cutlass", "--op", "conv", "-o", str(out)]) == 0
+    swept = [e.key for e in kernelset.load([str(out)], "cutlass", "sm90a")]
+    shipped = [e.key for e in kernelset.load(["conv_fp16_all_essential"], "cutlass", "sm90a") if e.key.signature.op == "conv"]
+    assert all(k.signature.epilogue.activation == "identity" and not k.signature.epilogue.bias for k in swept)
+    assert any(k.signature.epilogue.bias for k in shipped)  # the fused kernels the model ranks by their tiles
+    seen = {learned._what_the_model_sees(k) for k in swept}
+    assert {learned._what_the_model_sees(k) for k in shipped} == seen
+    with pytest.raises(SystemExit, match="no ck_tile gemm groups"):
+        identity_set.main(["conv_fp16_all_essential", "--backend", "ck_tile", "--op", "gemm", "-o", str(out)])

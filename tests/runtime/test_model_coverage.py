@@ -30,18 +30,58 @@ def test_models_list_the_kernels_they_were_trained_on():
         assert all(model.applies(None, parse_kernel_name(n)) for n in model.kernel_names)
 
 
+# Conv kernels no sweep has timed yet. The sweep's random problems first drew 1D and 3D layers on 2026-11-29, with
+# channel counts rarely multiples of 8 (tma_ws_conv), never C/G = K/G = 4 (the cpg4 direct kernels) and no even
+# filter (the fx4 one); bench/sweeps/sweep.py draws all three now, and the next sweep and retrain empties this
+# set. Until then no model ranks a problem these kernels are candidates for (learned.split; the last test).
+NOT_YET_SWEPT = frozenset({
+    "conv1dbwdd_fp16xfp16xfp16xfp32_nhwgc_identity_cutlass_sm90a_t128x256x64_w8x1x1_i64x256x16_ptmawsconv_sdataparallel_k1_c1x2x1_st0",
+    "conv1dbwdd_fp16xfp16xfp16xfp32_nhwgc_identity_cutlass_sm90a_t128x64x1_w8x1x1_i8x4x1_pdirect_sdataparallel_k1_c1x1x1_st0_xcpg4_xkpg4",
+    "conv1dbwdw_fp16xfp16xfp16xfp32_nhwgc_identity_cutlass_sm90a_t128x64x1_w8x1x1_i3x4x1_pdirect_sdataparallel_k1_c1x1x1_st0_xcpg4_xkpg4",
+    "conv1dbwdw_fp16xfp16xfp16xfp32_nhwgc_identity_cutlass_sm90a_t256x64x1_w8x1x1_i16x8x16_pdirectmma_sdataparallel_k1_c1x1x1_st0_xcpg1_xfx4_xkpg1",
+    "conv1dfwd_fp16xfp16xfp16xfp32_nhwgc_identity_cutlass_sm90a_t128x64x1_w8x1x1_i8x4x1_pdirect_sdataparallel_k1_c1x1x1_st0_xcpg4_xkpg4",
+    "conv3dbwdd_fp16xfp16xfp16xfp32_nhwgc_identity_cutlass_sm90a_t16x64x4_w4x1x1_i8x4x1_pdirect_sdataparallel_k1_c1x1x1_st0_xcpg4_xkpg4",
+    "conv3dbwdw_fp16xfp16xfp16xfp32_nhwgc_identity_cutlass_sm90a_t16x64x4_w8x1x1_i3x4x1_pdirect_sdataparallel_k1_c1x1x1_st0_xcpg4_xkpg4",
+    "conv3dfwd_fp16xfp16xfp16xfp32_nhwgc_identity_cutlass_sm90a_t16x64x4_w4x1x1_i8x4x1_pdirect_sdataparallel_k1_c1x1x1_st0_xcpg4_xkpg4",
+})
+
+
 def test_preselected_sets_hold_no_kernel_their_model_never_saw():
-    unseen, covered = {}, 0
+    unseen, covered, pending = {}, 0, set()
     for model in shipped_models():
         backend, arch = model.applies_to["backend"], model.applies_to["arch"]
         for name in sorted(kernelset.available_sets()):
             keys = [k for k in set_keys(name, backend, arch) if learned.task_of(k) == model.task]
             covered += sum(model.applies(None, k) for k in keys)
-            if model.unseen(keys):
-                unseen[f"{name} ({backend}/{arch} {model.task}, model {model.version})"] = model.unseen(keys)
+            names = set(model.unseen(keys))
+            pending |= names & NOT_YET_SWEPT
+            if names - NOT_YET_SWEPT:
+                unseen[f"{name} ({backend}/{arch} {model.task}, model {model.version})"] = sorted(names - NOT_YET_SWEPT)
     assert covered > 50  # fp16_rcr_full alone: 53 kernels the cutlass sm90a GEMM model ranks
     assert not unseen, "kernels a model ranks but was never trained on (sweep and retrain):\n" + "\n".join(
         f"{where}: {', '.join(names)}" for where, names in unseen.items())
+    assert pending == NOT_YET_SWEPT, f"swept now, drop from NOT_YET_SWEPT: {sorted(NOT_YET_SWEPT - pending)}"
+
+
+def test_a_model_ranks_no_candidates_among_which_one_is_unseen():
+    from tiledispatch import selection
+    from tiledispatch.ops.conv import ConvProblem
+
+    class Kernel:  # what the rankers take
+        def __init__(self, key):
+            self.key, self.name = key, key.name
+
+    keys = [e.key for e in kernelset.load(["conv_fp16_fwd_essential"], "cutlass", "sm90a")]
+    rank1 = [Kernel(k) for k in keys if k.signature.op == "conv" and k.signature.spatial_dims == 1]
+    rank2 = [Kernel(k) for k in keys if k.signature.op == "conv" and k.signature.spatial_dims == 2]
+    assert any(k.name in NOT_YET_SWEPT for k in rank1) and not any(k.name in NOT_YET_SWEPT for k in rank2)
+    one_d = ConvProblem("fwd", 8, 1, 64, 64, (1000,), (3,), (1,), (1,), (1,), (1,), "fp16", "fp16", "fp16")
+    two_d = ConvProblem("fwd", 8, 1, 64, 64, (28, 28), (3, 3), (1, 1), (1, 1), (1, 1), (1, 1), "fp16", "fp16", "fp16")
+    assert learned.split(one_d, rank1) == ([], rank1)  # one unseen candidate: the analytic order takes them all
+    assert selection.learned(one_d, rank1) == selection.analytic(one_d, rank1)
+    assert learned.scores(one_d, rank1) is None
+    covered, rest = learned.split(two_d, rank2)
+    assert covered and learned.scores(two_d, covered) is not None
 
 
 def test_a_kernel_missing_from_the_card_is_reported():

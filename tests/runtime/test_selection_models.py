@@ -140,16 +140,17 @@ def test_shipped_model_beat_analytic_in_training():
     assert model.meta["shapes"] >= 200
 
 
-def test_learned_ranking_on_its_sweep():
-    """The shipped model, evaluated with numpy through the runtime's ranker, on the sweep it was trained on: its
+@pytest.mark.parametrize("task", learned.TASKS)
+def test_learned_ranking_on_its_sweep(task):
+    """Each shipped model, evaluated with numpy through the runtime's ranker, on the sweep it was trained on: its
     picks reach at least what training measured on held-out folds, and beat the analytic ranker's (a broken
     evaluation, features or tree walk, falls far below)."""
     sys.path.insert(0, str(REPO / "bench" / "sweeps"))
     import train
 
-    model = learned.model_for("cutlass", "sm90a", "gemm")
+    model = learned.model_for("cutlass", "sm90a", task)
     stores = [str(REPO / "bench" / "results" / "sweeps" / s) for s in model.meta["stores"]]
-    problems = train.load_problems(stores)[("cutlass", "sm90a", "gemm")]["problems"]
+    problems = train.load_problems(stores)[("cutlass", "sm90a", task)]["problems"]
     assert len(problems) == model.meta["problems"]
     learned_effs, analytic_effs = [], []
     for p in problems:
