@@ -9,7 +9,7 @@ The bundle (conv fwd 2D fp32, packed and direct kernels of many tile shapes) is 
 build/selection_cost (cached). The model is LightGBM trained on a synthetic target over those kernels with the
 training defaults of bench/sweeps/train.py (300 rounds, 31 leaves), so it has the size a real model has: the cost
 of evaluating it does not depend on what it learned. Targets (issue 22): first select <= 200 us, repeated <= 1 us.
-Also timed: the shipped cutlass sm90a GEMM model on the rcr TMA kernels of the preselected GEMM and conv sets (keys
+Also timed: each shipped cutlass sm90a model on the kernels of the preselected GEMM and conv sets it ranks (keys
 only), its features and its trees, plainly and with the kernel-only columns' masks kept as the ranker keeps them.
 """
 from __future__ import annotations
@@ -105,29 +105,44 @@ def synthetic_model(reg, models: Path) -> Path:
     return path
 
 
-def shipped_gemm_model(count: int = 30) -> dict:
-    """The shipped cutlass sm90a GEMM model on the rcr TMA kernels of fp16_rcr_full and the conv sets (keys only: no
-    GPU needed), on random shapes: its features, and its trees evaluated plainly and as the ranker calls them (the
-    kernel-only columns' masks kept per kernel list)."""
+def shipped_models(count: int = 30) -> dict:
+    """Each shipped cutlass sm90a model on the kernels of the preselected sets it ranks (fp16_rcr_full,
+    fp16_rcr_essential, conv_fp16_all_essential; keys only: no GPU needed), on random problems: its features, and
+    its trees evaluated plainly and as the ranker calls them (the kernel-only columns' masks kept per kernel
+    list). Conv problems are 2D, and a model sees the kernels of the problem's rank, as select gives them."""
     from tiledispatch.generator import kernelset
     from tiledispatch.ops.gemm import GemmProblem
 
-    model = learned.Model(json.loads((SHIPPED_MODELS / "cutlass_sm90a_gemm.json").read_text()))
-    keys = [e.key for e in kernelset.load(["fp16_rcr_full", "fp16_rcr_essential", "conv_fp16_all_essential"],
-                                          "cutlass", "sm90a") if model.applies(None, e.key)]
-    names = tuple(key.name for key in keys)
+    pool = [e.key for e in kernelset.load(["fp16_rcr_full", "fp16_rcr_essential", "conv_fp16_all_essential"],
+                                          "cutlass", "sm90a")]
     rng = np.random.default_rng(3)
-    rows = []
-    for _ in range(count):
-        p = GemmProblem(int(rng.integers(1, 8193)), 8 * int(rng.integers(1, 1025)), 8 * int(rng.integers(1, 1025)),
-                        "fp16", "fp16", "fp16")
-        x = learned.features(p, keys, names)
-        rows.append({"features_us": statistics.median(us(lambda: learned.features(p, keys, names)) for _ in range(5)),
-                     "trees_us": statistics.median(us(lambda: model.trees.predict(x)) for _ in range(5)),
-                     "trees_kept_us": statistics.median(us(lambda: model.trees.predict(x, names, model.kernel_columns))
-                                                        for _ in range(5))})
-    return {"kernels": len(keys), "trees": len(model.trees.roots),
-            "median": {k: statistics.median(r[k] for r in rows) for k in rows[0]}}
+    out = {}
+    for task in learned.TASKS:
+        path = SHIPPED_MODELS / f"cutlass_sm90a_{task}.json"
+        if not path.exists():
+            continue
+        model = learned.Model(json.loads(path.read_text()))
+        keys = [k for k in pool if model.applies(None, k) and (task == "gemm" or k.signature.spatial_dims == 2)]
+        names = tuple(key.name for key in keys)
+        rows = []
+        for _ in range(count):
+            if task == "gemm":
+                p = GemmProblem(int(rng.integers(1, 8193)), 8 * int(rng.integers(1, 1025)),
+                                8 * int(rng.integers(1, 1025)), "fp16", "fp16", "fp16")
+            else:
+                size, f = int(rng.integers(4, 113)), int(rng.choice((1, 3, 5, 7)))
+                p = ConvProblem(task.split("_", 1)[1], int(rng.integers(1, 65)), 1, 8 * int(rng.integers(1, 65)),
+                                8 * int(rng.integers(1, 65)), (size, size), (f, f), (1, 1), (1, 1), (f // 2,) * 2,
+                                (f // 2,) * 2, "fp16", "fp16", "fp16")
+            x = learned.features(p, keys, names)
+            rows.append({"features_us": statistics.median(us(lambda: learned.features(p, keys, names))
+                                                          for _ in range(5)),
+                         "trees_us": statistics.median(us(lambda: model.trees.predict(x)) for _ in range(5)),
+                         "trees_kept_us": statistics.median(
+                             us(lambda: model.trees.predict(x, names, model.kernel_columns)) for _ in range(5))})
+        out[task] = {"kernels": len(keys), "trees": len(model.trees.roots),
+                     "median": {k: statistics.median(r[k] for r in rows) for k in rows[0]}}
+    return out
 
 
 def us(fn, repeat: int = 1) -> float:
@@ -183,11 +198,11 @@ def main() -> int:
                                        if ln.startswith("model name")), "?")},
               "first_select_of_the_process_us": once, "median": med,
               "targets_us": {"first_select": 200, "repeated_select": 1}, "rows": rows,
-              "shipped_gemm_model": shipped_gemm_model()}
+              "shipped_models": shipped_models()}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({k: report[k] for k in ("kernels", "model", "first_select_of_the_process_us", "median",
-                                             "shipped_gemm_model")}, indent=1))
+                                             "shipped_models")}, indent=1))
     return 0
 
 

@@ -124,8 +124,8 @@ def random_problems(op: str, count: int, seed: int, *, direction: Optional[str],
     and filter sizes and stride drawn over the ranges networks use; 2D, and 1D or 3D in two draws of five),
     each of at most max_flop."""
     rng = random.Random(seed)
-    # the rank and what only 1D / 3D problems need come from a second stream, so the 2D problems are the ones
-    # the 2D-only generator drew (stores swept with it stay valid)
+    # what the first, 2D-only generator did not draw (rank, channel rounding, 1D / 3D sizes) comes from a second
+    # stream, so the first stream's draws stay in step and a problem drawn before is drawn again (and skipped)
     rank_rng = random.Random(f"{seed}/rank")
     logu = lambda lo, hi, r=rng: round(2 ** r.uniform(math.log2(lo), math.log2(hi)))  # noqa: E731
     out, seen = [], set()
