@@ -125,7 +125,8 @@ def random_problems(op: str, count: int, seed: int, *, direction: Optional[str],
     each of at most max_flop."""
     rng = random.Random(seed)
     # what the first, 2D-only generator did not draw (rank, channel rounding, 1D / 3D sizes) comes from a second
-    # stream, so the first stream's draws stay in step and a problem drawn before is drawn again (and skipped)
+    # stream, so the first stream's draws stay in step: a 2D problem that neither changes is drawn as before (and
+    # a rerun against a store skips it)
     rank_rng = random.Random(f"{seed}/rank")
     logu = lambda lo, hi, r=rng: round(2 ** r.uniform(math.log2(lo), math.log2(hi)))  # noqa: E731
     out, seen = [], set()
