@@ -294,6 +294,14 @@ def test_runner_check_catches_wrong_and_missing_results():
     assert run(lambda: out.fill_(1.0))["status"] == "ok"
     assert run(lambda: out.fill_(1.1))["status"] == "wrong result"
     assert run(lambda: None)["status"] == "wrong result"  # nothing written: the poison stays
+    # where ours and the peer disagree, the float64 result decides which one is off
+    exact = lambda: torch.ones(8, dtype=torch.float64)  # noqa: E731
+    peer_off = suite_runner.ours_and_check({"dtype": "fp16"}, lambda: out.fill_(1.0), out, want * 1.1,
+                                           lambda: ("k", lambda: None), "cpu", exact)
+    assert peer_off["status"] == "ok" and peer_off["peer_off"] and peer_off["peer_rel_error_f64"] > 0.05
+    ours_off = suite_runner.ours_and_check({"dtype": "fp16"}, lambda: out.fill_(1.1), out, want,
+                                           lambda: ("k", lambda: None), "cpu", exact)
+    assert ours_off["status"] == "wrong result" and ours_off["rel_error_f64"] > 0.05
     from tiledispatch.errors import UnsupportedProblemError
 
     def refuse():
