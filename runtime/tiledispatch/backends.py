@@ -34,6 +34,8 @@ FAMILY_REQUIRED = {
 }
 FAMILY_OPTIONAL = {
     "gemm_view": "gemm_view(problem, key) -> (m, n, k, batch): the (implicit) GEMM the kernel performs",
+    "view_key": "view_key(key) -> hashable: all of the key that gemm_view reads; the ranker computes one gemm_view "
+                "per problem for the family's keys with equal view keys",
     "runtime_split": "runtime_split(key, output_tiles, k, units) -> int: reduction splits chosen at run time",
     "resident_ctas": "resident_ctas(key) -> int: blocks per compute unit the kernel is compiled to keep resident",
     "cost_factor": "cost_factor(key) -> float: how much slower than its tile shape suggests the kernel runs",
@@ -55,6 +57,7 @@ def _default_gemm_view(problem, key) -> tuple[int, int, int, int]:
 
 _DEFAULTS: dict[str, Callable] = {
     "gemm_view": _default_gemm_view,
+    "view_key": lambda key: key,  # the whole key: no two keys share a view
     "runtime_split": lambda key, output_tiles, k, units: 1,
     "resident_ctas": lambda key: 1,
     "cost_factor": lambda key: 1,
@@ -74,6 +77,7 @@ class Family:
     templates: Callable
     context: Callable
     gemm_view: Callable
+    view_key: Callable
     runtime_split: Callable
     resident_ctas: Callable
     cost_factor: Callable

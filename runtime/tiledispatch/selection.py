@@ -66,8 +66,8 @@ def analytic(problem, kernels) -> list:
 
 class _Static:
     """What estimated_cost reads from the keys alone, as arrays over a list of keys, and which keys' families
-    define their own gemm_view / runtime_split / partials_cost (those are asked per key; the defaults are
-    computed once per problem)."""
+    define their own gemm_view / runtime_split / partials_cost (those are asked per key, gemm_view once per group of
+    keys with equal view keys; the defaults are computed once per problem)."""
 
     def __init__(self, keys):
         fams = [backends.family_of(key) for key in keys]
@@ -82,7 +82,12 @@ class _Static:
         self.cost_factor = np.array([f.cost_factor(key) for f, key in zip(fams, keys)], dtype=np.float64)
         self.resident = np.array([f.resident_ctas(key) for f, key in zip(fams, keys)], dtype=np.int64)
         default = backends._DEFAULTS
-        self.own_view = [i for i, f in enumerate(fams) if f.gemm_view is not default["gemm_view"]]
+        # the keys whose family has its own gemm_view, grouped by family and view key: one view per group
+        views: dict = {}
+        for i, f in enumerate(fams):
+            if f.gemm_view is not default["gemm_view"]:
+                views.setdefault((f.backend, f.name, f.view_key(keys[i])), []).append(i)
+        self.view_groups = list(views.values())
         self.shared_view = [i for i, f in enumerate(fams) if f.gemm_view is default["gemm_view"]]
         self.own_split = [i for i, f in enumerate(fams) if f.runtime_split is not default["runtime_split"]]
         self.own_partials = [i for i, f in enumerate(fams) if f.partials_cost is not default["partials_cost"]]
@@ -124,8 +129,8 @@ def cost_terms(problem, keys, names=None) -> dict:
     view = np.ones((count, 4), dtype=np.int64)
     if s.shared_view:
         view[s.shared_view] = backends._DEFAULTS["gemm_view"](problem, keys[s.shared_view[0]])
-    for i in s.own_view:
-        view[i] = s.families[i].gemm_view(problem, keys[i])
+    for group in s.view_groups:
+        view[group] = s.families[group[0]].gemm_view(problem, keys[group[0]])
     m, n, k, batch = view.T
     tiles_m, tiles_n = _ceil_div(m, s.tm), _ceil_div(n, s.tn)
     output_tiles = _ceil_div(tiles_m, s.cm) * s.cm * _ceil_div(tiles_n, s.cn) * s.cn * batch

@@ -226,7 +226,8 @@ def _cli(args) -> dict:
 
 def test_cost_terms_equal_estimated_cost():
     """The vectorised cost model (selection.cost_terms, which the features read) is estimated_cost's, for every
-    kernel of the preselected sets on every backend and arch."""
+    kernel of the preselected sets on every backend and arch; its views (one per family and view key) are each
+    kernel's own gemm_view."""
     from tiledispatch.generator import kernelset
     from tiledispatch.ops.gemm import GemmProblem
 
@@ -247,7 +248,11 @@ def test_cost_terms_equal_estimated_cost():
                         mine = [k for k in keys if p.mismatch(k) is None]
                         if mine:
                             expect = [selection.estimated_cost(p, k) for k in mine]
-                            assert list(selection.cost_terms(p, mine)["cost"]) == expect, (backend, arch, name, p)
+                            terms = selection.cost_terms(p, mine)
+                            assert list(terms["cost"]) == expect, (backend, arch, name, p)
+                            views = [tuple(int(v) for v in view) for view in zip(*(terms[c] for c in "mnk"),
+                                                                                 terms["batch"])]
+                            assert views == [selection.gemm_view(p, k) for k in mine], (backend, arch, name, p)
                             checked += len(mine)
     assert checked > 200
 

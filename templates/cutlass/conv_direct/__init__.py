@@ -100,6 +100,11 @@ def gemm_view(problem, key) -> tuple[int, int, int, int]:
     return problem.lanes_gemm(pixels(problem.out_size), pixels(problem.in_size))
 
 
+def view_key(key) -> tuple[int, int]:
+    """What gemm_view reads of the key: the tile's width along W and its rows along H."""
+    return key.algorithm.tile[0], key.algorithm.tile[2]
+
+
 def problem_smem_bytes(problem, key) -> int:
     """Shared memory a 2D fwd / bwd_weight block takes on a problem: one input halo plane (fp16) with the block's
     weights (fwd: fp32; direct_mma: fp16 mma B fragments, 16 x 8 per pair of 8-channel taps and 8 lanes, halo

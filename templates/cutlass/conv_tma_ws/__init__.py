@@ -118,6 +118,11 @@ def gemm_view(problem, key) -> tuple[int, int, int, int]:
     return kg, per_tap(cg, tn), problem.n * math.prod(problem.out_size), problem.g
 
 
+def view_key(key) -> tuple[int, int]:
+    """What gemm_view reads of the key: the tile's n and k."""
+    return key.algorithm.tile[1], key.algorithm.tile[2]
+
+
 def partials_cost(problem, key):
     """bwd_weight: its persistent split-K cost in main-loop steps of one tile (conv_partials_split); None for the
     other directions (one CTA per tile: the ranker's tiles-in-waves model)."""
