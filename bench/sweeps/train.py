@@ -313,8 +313,9 @@ def main(argv=None) -> int:
     ap.add_argument("--against", action="append", default=[],
                     help="a model file to score on the same problems, e.g. the one being replaced (repeatable)")
     a = ap.parse_args(argv)
-    written = train(a.store, Path(a.out), target=a.target, folds=a.folds, rounds=a.rounds,
-                    params={**PARAMS, "min_child_samples": a.min_child_samples, "num_leaves": a.num_leaves}, against=a.against)
+    params = {**PARAMS, "min_child_samples": a.min_child_samples, "num_leaves": a.num_leaves}
+    written = train(a.store, Path(a.out), target=a.target, folds=a.folds, rounds=a.rounds, params=params,
+                    against=a.against)
     return 0 if written else 1
 
 
