@@ -1,9 +1,10 @@
 """Strided bwd_data on the implicit_gemm kernels, each kernel named: time and TFLOP/s on stride-2 layers and on
 stride-1 layers of the same GEMM size (and the fwd of one of them), against cuDNN (benchmark mode), fp16,
-channels-last, batch 32. Kernel times through reg.conv_*(kernel=...), best of 3 batches of 20 back-to-back calls.
+channels-last, batch 32. Kernel times through reg.conv_*(kernel=...), the median of 3 batches of 20 back-to-back
+calls (_gpu_common.time_batch); each kernel's output checked against cuDNN's (relative L2 error, printed and kept).
 
     scons kernels=bench/sets/strided_bwd_data_probe.yaml backend=cutlass arch=sm90a bundle=strided_bwd_data_probe
-    python3 bench/benchmarks/strided_bwd_data_probe.py build/strided_bwd_data_probe time
+    python3 bench/benchmarks/strided_bwd_data_probe.py build/strided_bwd_data_probe time [OUT_DIR]   # + JSON
     python3 bench/benchmarks/strided_bwd_data_probe.py BUNDLE one LAYER KERNEL_PATTERN   # 5 launches, for ncu
 
 Why: the suite's stride-2 bwd_data layers ran at 0.05-0.1x cuDNN on these kernels; results and ncu readings in
@@ -17,6 +18,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "runtime"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import _gpu_common as gc  # noqa: E402
 import tiledispatch as td  # noqa: E402
 from tiledispatch.ops.conv import ConvProblem  # noqa: E402
 
@@ -31,7 +34,7 @@ LAYERS = {
 
 
 def layer(reg, name: str):
-    """(problem, run(kernel name), cuDNN's call) of a layer, on random channels-last tensors."""
+    """(problem, run(kernel name), cuDNN's call, the tensor run writes) of a layer, on random channels-last tensors."""
     d, n, c, k, hw, f, s, p = LAYERS[name]
     o = (hw + 2 * p - f) // s + 1
 
@@ -53,28 +56,21 @@ def layer(reg, name: str):
 
         def peer():
             return torch.nn.functional.conv2d(x, w, None, s, p)
-    return prob, run, peer
+    return prob, run, peer, {"bwd_data": x, "bwd_weight": w, "fwd": y}[d]
 
 
-def best_ms(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(3):
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) / reps)
-    return best
+def ms(fn) -> float:
+    return gc.time_batch(fn, batch=20, repeats=3, warmup=1)
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).norm() / want.double().norm())
 
 
 def main(argv: list[str]) -> None:
     reg = td.load(argv[0])
     if argv[1] == "one":
-        prob, run, _ = layer(reg, argv[2])
+        prob, run, _, _ = layer(reg, argv[2])
         kern = next(k.name for k in reg.kernels if argv[3] in k.name and k.key.signature.direction == prob.direction
                     and k.key.signature.spatial_dims == 2)
         for _ in range(5):
@@ -83,15 +79,25 @@ def main(argv: list[str]) -> None:
         print(argv[2], kern)
         return
     torch.backends.cudnn.benchmark = True
+    rows = []
     for name in LAYERS:
-        prob, run, peer = layer(reg, name)
-        flops = prob.flops()
-        line = f"{name:6s} {prob.direction:8s} GFLOP {flops / 1e9:7.1f} cudnn {best_ms(peer) * 1e3:8.1f} us"
+        prob, run, peer, written = layer(reg, name)
+        flops, want = prob.flops(), peer().clone()
+        row = {"layer": name, "problem": str(prob), "cudnn_ms": ms(peer), "kernels": {}}
+        line = f"{name:7s} {prob.direction:10s} GFLOP {flops / 1e9:7.1f} cudnn {row['cudnn_ms'] * 1e3:8.1f} us"
         for kern in sorted(k.name for k in reg.kernels if k.key.signature.direction == prob.direction
                            and k.key.signature.spatial_dims == 2):
-            t = best_ms(lambda: run(kern))
-            line += f" | {kern.split('_cutlass_sm90a_')[1][:22]} {t * 1e3:8.1f} us {flops / t / 1e9:6.1f} TF"
+            written.fill_(float("nan"))  # poisoned: an unwritten output shows as an error
+            run(kern)
+            err = rel_error(written, want)
+            t = ms(lambda: run(kern))
+            row["kernels"][kern] = {"ms": t, "tflops": flops / t / 1e9, "rel_error_vs_cudnn": err}
+            tile = kern.split("_cutlass_sm90a_")[1][:22]
+            line += f" | {tile} {t * 1e3:8.1f} us {flops / t / 1e9:6.1f} TF err {err:.0e}"
         print(line, flush=True)
+        rows.append(row)
+    if len(argv) > 2:
+        gc.write_results({"machine": gc.machine(), "layers": rows}, argv[2], "strided_bwd_data_probe")
 
 
 if __name__ == "__main__":
