@@ -1,7 +1,8 @@
 """Strided bwd_data on the implicit_gemm kernels, each kernel named: time and TFLOP/s on stride-2 layers and on
-stride-1 layers of the same GEMM size (and the fwd of one of them), against cuDNN (benchmark mode), fp16,
-channels-last, batch 32. Kernel times through reg.conv_*(kernel=...), the median of 3 batches of 20 back-to-back
-calls (_gpu_common.time_batch); each kernel's output checked against cuDNN's (relative L2 error, printed and kept).
+stride-1 layers of the same GEMM size (and the fwd and bwd_weight of one of them), against cuDNN (benchmark mode),
+fp16, channels-last, batch 32. Kernel times through reg.conv_*(kernel=...), the median of 3 batches of 20
+back-to-back calls (_gpu_common.time_batch); each kernel's output checked against cuDNN's (relative L2 error, printed
+and kept).
 
     scons kernels=bench/sets/strided_bwd_data_probe.yaml backend=cutlass arch=sm90a bundle=strided_bwd_data_probe
     python3 bench/benchmarks/strided_bwd_data_probe.py build/strided_bwd_data_probe time [OUT_DIR]   # + JSON
@@ -30,6 +31,7 @@ LAYERS = {
     "A_fwd": ("fwd", 32, 256, 64, 60, 3, 1, 1),
     "B_s2": ("bwd_data", 32, 1056, 2904, 48, 1, 2, 0), "B_s1": ("bwd_data", 32, 1056, 2904, 24, 1, 1, 0),
     "C_s2": ("bwd_data", 32, 192, 384, 56, 2, 2, 0), "C_s1": ("bwd_data", 32, 192, 384, 28, 2, 1, 0),
+    "A_wgrad": ("bwd_weight", 32, 64, 256, 60, 3, 1, 1),
 }
 
 
@@ -50,6 +52,13 @@ def layer(reg, name: str):
         def peer():
             return torch.ops.aten.convolution_backward(y, x, w, None, [s, s], [p, p], [1, 1], False, [0, 0], 1,
                                                        [True, False, False])[0]
+    elif d == "bwd_weight":
+        def run(kern):
+            reg.conv_bwd_weight(x, y, out=w, stride=s, padding=p, groups=1, kernel=kern)
+
+        def peer():
+            return torch.ops.aten.convolution_backward(y, x, w, None, [s, s], [p, p], [1, 1], False, [0, 0], 1,
+                                                       [False, True, False])[1]
     else:
         def run(kern):
             reg.conv_fwd(x, w, out=y, stride=s, padding=p, groups=1, kernel=kern)
