@@ -34,7 +34,7 @@ def context(key) -> dict:
     alg = key.algorithm
     return {**common.conv_context(key), "threads": alg.warps[0] * alg.warps[1] * 32,
             "stages": alg.stages or DEFAULT_STAGES, "mma_type": common.MMA_TYPE[key.signature.dtype_a], "rows": 0,
-            "generic": generic(key), "vector": vector(key)}
+            "generic": generic(key), "vector": vector(key), "min_blocks": min_blocks(key)}
 
 
 def generic(key) -> bool:
@@ -69,10 +69,25 @@ def runtime_split(key, output_tiles: int, k: int, units: int) -> int:
 
 
 def smem_bytes(key) -> int:
-    """Shared memory of the main loop's stages (rule cutlass.conv_igemm_smem): A and B tiles with rows and columns
-    padded by 8 elements (16 bytes), in fp16 / bf16; stages 0 counts the default 3."""
+    """Shared memory of the main loop's stages as conv_igemm.cu.j2 lays them out (rule cutlass.conv_igemm_smem): per
+    stage an A and a B tile of fp16 / bf16, each stored with its global rows contiguous and those rows padded by 8
+    elements (16 bytes): A [m][k] (fwd, bwd_data) or [k][m] (bwd_weight), B [n][k] (fwd) or [k][n]."""
     tm, tn, tk = key.algorithm.tile
-    return (key.algorithm.stages or 3) * ((tm + 8) * (tk + 8) + (tn + 8) * (tk + 8)) * 2
+    direction = key.signature.direction
+    a = tm * (tk + 8) if direction != "bwd_weight" else tk * (tm + 8)
+    b = tn * (tk + 8) if direction == "fwd" else tk * (tn + 8)
+    return (key.algorithm.stages or DEFAULT_STAGES) * (a + b) * 2
+
+
+def min_blocks(key) -> int:
+    """The blocks per SM the kernel's __launch_bounds__ asks registers for (conv_igemm.cu.j2 says why): 2 for blocks
+    of 8 warps whose shared memory fits twice on an SM and whose warp tile holds at most 64x32 accumulators; else
+    none is asked (1), the compiler's own choice."""
+    alg = key.algorithm
+    threads = alg.warps[0] * alg.warps[1] * 32
+    warp_tile = alg.tile[0] // alg.warps[0] * (alg.tile[1] // alg.warps[1])
+    fits_twice = 2 * (smem_bytes(key) + 1024) <= common.arch(key)["sm_smem_bytes"]  # 1 KiB reserved per block
+    return 2 if threads == 256 and warp_tile <= 64 * 32 and fits_twice else 1
 
 
 def refusal(problem, key):
