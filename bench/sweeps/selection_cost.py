@@ -4,6 +4,7 @@ the best-ranked kernels until one accepts; the learned model's features; its tre
 first select (which loads the kernels' libraries).
 
     python bench/sweeps/selection_cost.py [--kernels 200] [--problems 30] [--out bench/results/selection_cost_cpu.json]
+    python bench/sweeps/selection_cost.py --shipped-only   # the shipped models alone, JSON to stdout
 
 The bundle (conv fwd 2D fp32, packed and direct kernels of many tile shapes) is built with scons into
 build/selection_cost (cached). The model is LightGBM trained on a synthetic target over those kernels with the
@@ -157,7 +158,12 @@ def main() -> int:
     ap.add_argument("--kernels", type=int, default=200)
     ap.add_argument("--problems", type=int, default=30)
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "selection_cost_cpu.json"))
+    ap.add_argument("--shipped-only", action="store_true",
+                    help="only the shipped models on the preselected sets' keys (no bundle is built); JSON to stdout")
     a = ap.parse_args()
+    if a.shipped_only:
+        print(json.dumps(shipped_models(), indent=1))
+        return 0
     bundle_dir = build(a.kernels)
     reg = td.load(bundle_dir)
     with tempfile.TemporaryDirectory() as tmp:

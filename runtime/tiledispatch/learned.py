@@ -8,6 +8,7 @@ runtime call, so the two can never disagree about what a feature means.
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import hashlib
 import json
@@ -151,6 +152,35 @@ _MASK_32 = _MaskBits(np.uint32, np.float32, np.int32, 23, 127)
 _MASK_64 = _MaskBits(np.uint64, np.float64, np.int64, 52, 1023)
 
 
+class _Masks(NamedTuple):
+    """An ensemble's leaf masks (TreeEnsemble._masks builds them)."""
+    tables: dict            # feature -> (its splits' sorted thresholds, table [prefix length, tree] -> leaves left)
+    leaf_values: np.ndarray  # [tree * width + leaf]
+    offsets: np.ndarray     # each tree's offset into leaf_values, less the float exponent's bias
+    bits: _MaskBits
+    stack: np.ndarray       # every table's rows one after another, so that one gather reads rows of many tables
+    base: dict              # feature -> its table's first row in stack
+    thresholds: dict        # feature -> its thresholds as a list, searched by bisect for a value of the problem
+
+
+# odd 64-bit multipliers: a row of table indices hashed to one number (_distinct_rows)
+_ROW_HASH = (np.random.default_rng(2026).integers(0, 2 ** 62, size=256, dtype=np.int64) * 2 + 1).view(np.uint64)
+
+
+def _distinct_rows(at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the distinct rows of a non-negative int64 matrix, each row's index among them). Rows are hashed to one
+    number each, made unique in 1D and checked against the rows they stand for (np.unique over rows, 10x slower,
+    where two rows' hashes collide or a row is wider than the multipliers)."""
+    if at.shape[1] <= len(_ROW_HASH):
+        _, first, inverse = np.unique(at.view(np.uint64) @ _ROW_HASH[:at.shape[1]], return_index=True,
+                                      return_inverse=True)
+        inverse = inverse.reshape(-1)
+        if (at[first[inverse]] == at).all():
+            return at[first], inverse
+    distinct, inverse = np.unique(at, axis=0, return_inverse=True)
+    return distinct, inverse.reshape(-1)
+
+
 class TreeEnsemble:
     """Sum of regression trees stored as flat node arrays. A leaf is a node that sends every row to
     itself (feature 0, threshold +inf), so walking a fixed number of levels ends at each row's leaf.
@@ -182,37 +212,63 @@ class TreeEnsemble:
         """One prediction per row of x (rows x features). row_columns: columns whose values depend on the row's
         kernel alone (its tile, warps, ...), the same for every problem while the rows are the kernels that
         rows_token names; what those columns leave of each tree's leaves is then kept per token, so that a new
-        problem only searches the columns it changes."""
+        problem only searches the columns it changes.
+
+        numpy's cost per operation, not per element, dominates at a bundle's size (tens of rows, hundreds of
+        trees), so the work is batched: a column alike in every row (a feature of the problem alone) is searched
+        in Python and all such columns' table rows ANDed by one gather; the varying columns' table rows are
+        gathered for the distinct rows of their values only (kernels of one tile shape share them)."""
         masks = self._masks
         if masks is None:  # a tree with more leaves than a mask has bits
             return self.walk(x)
-        tables, leaf_values, offsets, bits = masks
+        rows, bits = x.shape[0], masks.bits
+        if not rows:
+            return np.zeros(0)
         kept = None if rows_token is None else self._row_masks.get(rows_token)
-        varying, common = [], np.full(len(self.roots), ~bits.type(0))
-        for f, (thresholds, table) in tables.items():
-            if kept is not None and f in row_columns:
-                continue  # in the kept masks
-            column = x[:, f]
-            if len(column) and (column == column[0]).all():  # a feature of the problem alone: one table row for all
-                common &= table[np.searchsorted(thresholds, column[0], side="left")]
+        features = [f for f in masks.tables if kept is None or f not in row_columns]
+        alike = (x[:, features] == x[0, features]).all(axis=0).tolist()  # NaN is never alike: searched per row
+        first = x[0].tolist()
+        common, varying, keep = [], [], False
+        for f, same in zip(features, alike):
+            if same:
+                thresholds = masks.thresholds[f]
+                value = first[f]
+                # NaN fails every split's x <= threshold, as np.searchsorted places it: past every threshold
+                common.append(masks.base[f] + (len(thresholds) if value != value else
+                                               bisect.bisect_left(thresholds, value)))
             elif rows_token is not None and f in row_columns:
-                kept = self._keep_row_masks(x, rows_token, row_columns)  # every row column, constant ones too
+                keep = True
             else:
-                varying.append((column, thresholds, table))
-        alive = np.empty((x.shape[0], len(self.roots)), dtype=bits.type)
-        alive[:] = common
+                varying.append(f)
+        if keep:
+            kept = self._keep_row_masks(x, rows_token, row_columns)  # every row column, constant ones too
+        together = np.bitwise_and.reduce(masks.stack[common], axis=0) if common else None
+        if varying:
+            at = np.empty((rows, len(varying)), dtype=np.int64)
+            for j, f in enumerate(varying):
+                at[:, j] = np.searchsorted(masks.tables[f][0], x[:, f], side="left")
+            at += [masks.base[f] for f in varying]
+            distinct, inverse = _distinct_rows(at)
+            left = np.bitwise_and.reduce(masks.stack[distinct], axis=1)
+            if together is not None:
+                left &= together
+            alive = left[inverse]
+        else:
+            alive = np.empty((rows, len(self.roots)), dtype=bits.type)
+            alive[:] = ~bits.type(0) if together is None else together
         if kept is not None:
             alive &= kept
-        for column, thresholds, table in varying:
-            alive &= table[np.searchsorted(thresholds, column, side="left")]
-        lowest = alive & (~alive + bits.type(1))  # the lowest set bit: the leftmost leaf left
+        lowest = np.negative(alive)  # two's complement: -a & a is the lowest set bit, the leftmost leaf left
+        lowest &= alive
         # its index: the exponent of the power of two as a float (exact, whatever the float's width)
-        exponent = lowest.astype(bits.float).view(bits.int) >> bits.mantissa
-        return leaf_values.take(exponent + offsets).sum(axis=1)
+        exponent = lowest.astype(bits.float).view(bits.int)
+        exponent >>= bits.mantissa
+        exponent += masks.offsets
+        return masks.leaf_values.take(exponent).sum(axis=1)
 
     def _keep_row_masks(self, x: np.ndarray, rows_token, row_columns: frozenset) -> np.ndarray:
         """[row, tree]: what the row_columns leave of each tree's leaves, kept for the token (the most recent 64)."""
-        tables, bits = self._masks[0], self._masks[3]
+        tables, bits = self._masks.tables, self._masks.bits
         alive = np.full((x.shape[0], len(self.roots)), ~bits.type(0))
         for f in sorted(row_columns & tables.keys()):
             thresholds, table = tables[f]
@@ -224,10 +280,9 @@ class TreeEnsemble:
 
     @functools.cached_property
     def _masks(self):
-        """(per feature: the sorted thresholds of its splits and the table [prefix length, tree] -> what those
-        splits leave of the tree's leaves, the leaves' values flat [tree * width + leaf], each tree's offset into
-        them less the float exponent's bias, the _MaskBits of the width); None when a tree has more than 64
-        leaves."""
+        """_Masks: per feature the sorted thresholds of its splits and the table [prefix length, tree] -> what
+        those splits leave of the tree's leaves, the leaves' values, the mask width's bits; None when a tree has
+        more than 64 leaves."""
         trees = len(self.roots)
         leaves_of, masks_of, tree_of = [], {}, {}
         left, right = self.left.tolist(), self.right.tolist()
@@ -268,7 +323,10 @@ class TreeEnsemble:
             table[0] = every
             np.bitwise_and.accumulate(step, axis=0, out=table[1:])
             tables[f] = (self.threshold[mine], table)
-        return tables, leaf_values.ravel(), offsets, bits
+        stack = np.concatenate([table for _, table in tables.values()]) if tables else np.zeros((0, trees), bits.type)
+        base = dict(zip(tables, np.cumsum([0] + [len(table) for _, table in tables.values()]).tolist()))
+        return _Masks(tables, leaf_values.ravel(), offsets, bits, stack, base,
+                      {f: thresholds.tolist() for f, (thresholds, _) in tables.items()})
 
     def walk(self, x: np.ndarray) -> np.ndarray:
         """predict() by walking the trees: every (tree, row) pair goes down one level per step and leaves the walk

@@ -265,3 +265,25 @@ def test_tune_api_times_only_top_candidates(gemm_bundle, cache_file):
     (rec,) = next(iter(json.loads(cache_file.read_text())["devices"].values())).values()
     assert len(rec["times_ms"]) == min(2, len(reg.candidates(p))) and kern.name == rec["kernel"]
     assert reg.select(p).name == kern.name
+
+
+def test_distinct_rows_of_table_indices():
+    """predict() gathers table rows once per distinct row of the varying columns' indices: _distinct_rows gives
+    those rows and each row's index among them (hashed rows, checked; np.unique over rows where the hash cannot
+    serve: rows wider than its multipliers)."""
+    rng = np.random.default_rng(5)
+    for width in (1, 10, len(learned._ROW_HASH) + 1):
+        pool = rng.integers(0, 4000, size=(7, width))
+        at = pool[rng.integers(0, 7, size=60)]
+        distinct, inverse = learned._distinct_rows(at)
+        assert len(distinct) == len(np.unique(at, axis=0)) and inverse.shape == (60,)
+        np.testing.assert_array_equal(distinct[inverse], at)
+
+
+def test_distinct_rows_survive_a_hash_collision(monkeypatch):
+    """Rows whose hashes collide (here every multiplier 1: [1, 2] and [2, 1] sum alike) stay apart."""
+    monkeypatch.setattr(learned, "_ROW_HASH", np.ones(4, dtype=np.uint64))
+    at = np.array([[1, 2], [2, 1], [1, 2], [3, 0]], dtype=np.int64)
+    distinct, inverse = learned._distinct_rows(at)
+    assert len(distinct) == 3
+    np.testing.assert_array_equal(distinct[inverse], at)
