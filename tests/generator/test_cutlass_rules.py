@@ -378,9 +378,10 @@ def test_direct_mma_rows_renders_and_ranks_first_on_depthwise_7x7():
     assert estimated_cost(prob, rows) < estimated_cost(prob, chunk)
 
 
-def igemm_key(direction, tile, warps, stages):
+def igemm_key(direction, tile, warps, stages, extras=()):
     return KernelKey(Signature("conv", "fp16", "fp16", "fp16", "fp32", "nhwgc", Epilogue(), direction, 2),
-                     Algorithm(tile, "implicit_gemm", warps, (16, 8, 16), "data_parallel", 1, (1, 1, 1), stages, ()),
+                     Algorithm(tile, "implicit_gemm", warps, (16, 8, 16), "data_parallel", 1, (1, 1, 1), stages,
+                               extras),
                      "cutlass", "sm90a")
 
 
@@ -388,17 +389,24 @@ def igemm_key(direction, tile, warps, stages):
     # A [m][k] + B [k][n] (bwd_data), rows padded by 8: 3 x (128 x 72 + 64 x 136) x 2 bytes, fits twice per SM
     ("bwd_data", (128, 128, 64), (2, 4, 1), 3, 107520, 2),
     ("fwd", (128, 128, 64), (2, 4, 1), 3, 110592, 2),               # B [n][k]: 128 x 72
-    ("bwd_weight", (64, 128, 32), (2, 2, 1), 0, 39936, 1),          # 4 warps: no count asked
+    ("bwd_weight", (64, 128, 32), (2, 2, 1), 0, 39936, 4),          # 4 warps: 4 blocks at 128 registers
+    ("bwd_data", (64, 64, 64), (2, 2, 1), 4, 4 * (64 * 72 + 64 * 72) * 2, 3),  # 72 KiB: 3 fit
     ("bwd_data", (256, 128, 32), (4, 2, 1), 3, 87552, 1),           # warp tile 64x64: 128 registers too few
     ("fwd", (256, 128, 64), (2, 4, 1), 4, 4 * (256 * 72 + 128 * 72) * 2, 1),  # 221 KiB: once per SM
+    ("fwd", (128, 64, 32), (2, 2, 1), 0, 3 * (128 * 40 + 64 * 40) * 2, 4),
+    ("fwd", (128, 64, 32), (2, 2, 1), 0, 3 * (128 * 40 + 64 * 40) * 2, (("cutlass.align", 4),)),  # spilled
+    ("fwd", (128, 64, 32), (2, 2, 1), 0, 3 * (128 * 40 + 64 * 40) * 2, (("cutlass.align", 1),)),
 ])
 def test_implicit_gemm_shared_memory_and_blocks_per_sm(direction, tile, warps, stages, smem, blocks):
     """smem_bytes is the template's stage layout (the rule cutlass.conv_igemm_smem checks it) and min_blocks what the
-    kernel's __launch_bounds__ asks: a count only where it is 2 (an explicit 1 changes the compiler's registers)."""
-    key = igemm_key(direction, tile, warps, stages)
+    kernel's __launch_bounds__ asks: a count only where it is 2 or more (an explicit 1 changes the compiler's
+    registers); none for the align variants. blocks: the count, or the variant's extras (count 1)."""
+    extras = () if isinstance(blocks, int) else blocks
+    blocks = blocks if isinstance(blocks, int) else 1
+    key = igemm_key(direction, tile, warps, stages, extras)
     family = backends.family_of(key).module
     assert family.smem_bytes(key) == smem and family.min_blocks(key) == blocks
     text = codegen.render(key)
     assert f"constexpr int MIN_BLOCKS = {blocks};" in text
-    assert ("__launch_bounds__(THREADS, MIN_BLOCKS)" in text) == (blocks == 2)
+    assert ("__launch_bounds__(THREADS, MIN_BLOCKS)" in text) == (blocks > 1)
     assert ("__launch_bounds__(THREADS)" in text) == (blocks == 1)

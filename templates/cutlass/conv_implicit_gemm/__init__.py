@@ -80,14 +80,18 @@ def smem_bytes(key) -> int:
 
 
 def min_blocks(key) -> int:
-    """The blocks per SM the kernel's __launch_bounds__ asks registers for (conv_igemm.cu.j2 says why): 2 for blocks
-    of 8 warps whose shared memory fits twice on an SM and whose warp tile holds at most 64x32 accumulators; else
-    none is asked (1), the compiler's own choice."""
+    """The blocks per SM the kernel's __launch_bounds__ asks registers for (conv_igemm.cu.j2 says why): where the
+    warp tile holds at most 64x32 accumulators, as many as 128 registers a thread allow (2 blocks of 8 warps, 4 of
+    4) and their shared memory fits, when that is 2 or more; else none is asked (1), the compiler's own choice. The
+    cutlass.align 4 / 1 kernels ask none: they spilled 76-392 bytes a thread at 128 registers (nvcc 13.0, sm90a)."""
+    if generic(key) or vector(key) == 4:
+        return 1
     alg = key.algorithm
     threads = alg.warps[0] * alg.warps[1] * 32
     warp_tile = alg.tile[0] // alg.warps[0] * (alg.tile[1] // alg.warps[1])
-    fits_twice = 2 * (smem_bytes(key) + 1024) <= common.arch(key)["sm_smem_bytes"]  # 1 KiB reserved per block
-    return 2 if threads == 256 and warp_tile <= 64 * 32 and fits_twice else 1
+    fit = common.arch(key)["sm_smem_bytes"] // (smem_bytes(key) + 1024)  # 1 KiB reserved per block
+    blocks = min(65536 // (threads * 128), fit)
+    return blocks if warp_tile <= 64 * 32 and blocks >= 2 else 1
 
 
 def refusal(problem, key):
