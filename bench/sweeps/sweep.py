@@ -16,7 +16,11 @@ reason, so a rerun asks it again no more than a timed one.
 
 Resumable: the results are appended, one JSON line per (problem, kernel), to a gzip store
 (OUT/<op>[_<direction>]_<backend>_<arch>.jsonl.gz; each append is a complete gzip member, and a member cut
-short by a crash is dropped when read), and a rerun times only the pairs the store lacks. Sharded through Dask
+short by a crash is dropped when read), and a rerun times only the pairs the store lacks. Each line names the
+kernel binary it timed ("binary": the start of the shared object's sha256 in the bundle's manifest), so a
+kernel whose binary changed (its template, its flags, the toolchain) is timed again on the next run, and
+training takes a pair's times from the newest binary stored (lines from before the stamps count as an older
+binary). Sharded through Dask
 distributed: one task per problem, one single-threaded worker process per GPU (a local cluster over the
 visible GPUs by default; --workers N on the cpu backend), or the workers of a running cluster
 (--scheduler ADDR; start one worker per GPU on each host: `CUDA_VISIBLE_DEVICES=i
@@ -55,6 +59,7 @@ from tiledispatch.spec.key import Epilogue, parse_kernel_name  # noqa: E402
 OPS = ("gemm", "conv")
 RESULTS = BENCH / "results" / "sweeps"
 MAX_FLOP = 2.2e12  # random problems are capped so that no single one dominates a run
+BINARY_DIGITS = 16  # of a kernel's sha256 in each stored line: enough to tell its builds apart
 
 
 # -- problems ---------------------------------------------------------------------------------------
@@ -391,8 +396,10 @@ def local_cluster(device: str, workers: Optional[int]):
 
 
 def bundle_facts(bundles: list[str]) -> dict:
-    """backend, arch, kernels (name, op, direction) and the toolchain of the bundles, from their manifests."""
-    facts = {"kernels": [], "toolchain": [], "bundles": []}
+    """backend, arch, kernels (name, op, direction), binaries (name: sha256 prefix of the kernel's shared object;
+    the first bundle's where several hold a name, as the sweep's registry loads it) and the toolchain of the
+    bundles, from their manifests."""
+    facts = {"kernels": [], "binaries": {}, "toolchain": [], "bundles": []}
     for b in bundles:
         manifest_path = Path(b) / "manifest.json"
         try:
@@ -407,7 +414,9 @@ def bundle_facts(bundles: list[str]) -> dict:
                                  "manifest_sha256": hashlib.sha256(manifest_path.read_bytes()).hexdigest()})
         for k in manifest["kernels"]:
             sig = k["key"]["signature"]
-            facts["kernels"].append((k["name"], sig["op"], sig.get("direction")))
+            if k["name"] not in facts["binaries"]:
+                facts["kernels"].append((k["name"], sig["op"], sig.get("direction")))
+                facts["binaries"][k["name"]] = k["sha256"][:BINARY_DIGITS]
     return facts
 
 
@@ -431,7 +440,8 @@ def sweep(bundles: list[str], op: str, problems: list[dict], *, direction: Optio
     if not names:
         raise SystemExit(f"the bundles hold no {op} {direction or ''} kernels")
     store = store_path(out_dir, op, direction, facts["backend"], facts["arch"])
-    done = {(r["problem_id"], r["kernel"]) for r in read_store(store)[1]}
+    binaries = facts["binaries"]
+    done = {(r["problem_id"], r["kernel"]) for r in read_store(store)[1] if r.get("binary") == binaries.get(r["kernel"])}
     keys = {n: parse_kernel_name(n) for n in names}
     todo, skipped = [], 0
     for entry in problems:  # the kernels whose signature serves the problem (rank, dtypes, layout, epilogue)
@@ -477,7 +487,8 @@ def sweep(bundles: list[str], op: str, problems: list[dict], *, direction: Optio
             if tag not in known:
                 known[tag] = out["machine"]
                 lines.append({"meta": {"machine_id": tag, "machine": out["machine"], **sources}})
-            lines += [{**r, "groups": groups[r["problem_id"]], "machine_id": tag} for r in out["records"]]
+            lines += [{**r, "groups": groups[r["problem_id"]], "machine_id": tag, "binary": binaries[r["kernel"]]}
+                      for r in out["records"]]
             append_store(store, lines)
             result["timed"] += len(out["records"])
             best = min((r["ms"] for r in out["records"] if r["ms"] is not None), default=float("nan"))

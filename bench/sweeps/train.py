@@ -64,7 +64,9 @@ class _Named:  # what the rankers take: an object with .key and .name
 
 def load_problems(paths: list[str]) -> dict:
     """{(backend, arch, task): {"problems": [...], "machines": {...}, "stores": [...]}}; a problem's kernels are
-    those timed on it (refusals left out); a pair timed in several stores or runs gets the geometric mean."""
+    those timed on it (refusals left out); a pair's times are those of the kernel binary its last stored line names
+    (a rebuilt kernel's new times replace the old ones, and a refusal by the new binary drops the pair), and a pair
+    timed in several stores or runs of that binary gets their geometric mean."""
     found: dict = defaultdict(lambda: {"problems": {}, "machines": {}, "stores": [], "sources": []})
     for path in paths:
         metas, rows = read_store(Path(path))
@@ -77,26 +79,30 @@ def load_problems(paths: list[str]) -> dict:
             entry["machines"][meta["machine_id"]] = meta["machine"]
             entry["sources"].append({k: meta.get(k) for k in ("git", "toolchain", "timing", "started")})
         for row in rows:
-            if row.get("ms") is None:
-                continue
             key = parse_kernel_name(row["kernel"])
             entry = found[(key.backend, key.arch, learned.task_of(key))]
             if Path(path).name not in entry["stores"]:
                 entry["stores"].append(Path(path).name)
             p = entry["problems"].setdefault(row["problem_id"], {"dict": row["problem"], "groups": set(),
-                                                                  "times": defaultdict(list)})
-            p["groups"].update(row.get("groups") or [row.get("group", "?")])
-            p["times"][row["kernel"]].append(row["ms"])
+                                                                  "times": {}})
+            binary = row.get("binary")  # None: stored before the lines named their binary
+            last = p["times"].get(row["kernel"])
+            if last is None or last[0] != binary:
+                last = p["times"][row["kernel"]] = (binary, [])
+            if row.get("ms") is not None:
+                p["groups"].update(row.get("groups") or [row.get("group", "?")])
+                last[1].append(row["ms"])
     out = {}
     for target, entry in found.items():
         problems = []
         for pid, p in sorted(entry["problems"].items()):
-            names = sorted(p["times"])
+            times_of = {n: ms for n, (_, ms) in p["times"].items() if ms}
+            names = sorted(times_of)
             if len(names) < 2:  # nothing to choose between
                 continue
             problem = problem_from_dict(p["dict"], op=p["dict"]["op"])
             keys = [parse_kernel_name(n) for n in names]
-            times = np.array([math.exp(statistics.fmean(math.log(t) for t in p["times"][n])) for n in names])
+            times = np.array([math.exp(statistics.fmean(math.log(t) for t in times_of[n])) for n in names])
             problems.append({"id": pid, "problem": problem, "groups": p["groups"], "names": names, "keys": keys,
                              "times": times, "flops": float(problem.flops()),
                              "x": learned.features(problem, keys)})

@@ -141,6 +141,49 @@ def test_sharded_sweep_resumes_and_matches_one_worker(tiny_bundle, tmp_path):
     one = sweep.sweep([str(tiny_bundle)], "conv", problems, out_dir=tmp_path / "one", workers=1, **kw)
     assert pairs(Path(one["store"])) == pairs(store)
 
+    # every line names the binary it timed; lines of another build of a kernel (here: rewritten as if the kernel
+    # had been rebuilt since, or stored before the stamps) do not count as done, so those pairs are timed again
+    manifest = {k["name"]: k["sha256"] for k in json.loads((tiny_bundle / "manifest.json").read_text())["kernels"]}
+    assert all(manifest[r["kernel"]].startswith(r["binary"]) and len(r["binary"]) == 16 for r in rows)
+    rebuilt = sorted(kernels)[0]
+    stale = tmp_path / "stale" / store.name
+    sweep.append_store(stale, [{"meta": m} for m in metas] +
+                       [{**r, "binary": "0" * 16} if r["kernel"] == rebuilt else
+                        {k: v for k, v in r.items() if k != "binary"} if r["problem_id"] == rows[0]["problem_id"]
+                        else r for r in rows])
+    retimed = sweep.sweep([str(tiny_bundle)], "conv", problems, out_dir=tmp_path / "stale", workers=1, **kw)
+    redone = {(r["problem_id"], r["kernel"]) for r in sweep.read_store(stale)[1][len(rows):]}
+    assert redone == {(pid, k) for pid, k in pairs(store) if k == rebuilt or pid == rows[0]["problem_id"]}
+    assert retimed["timed"] == len(redone) and retimed["skipped"] == len(rows) - len(redone)
+
+
+def test_training_takes_the_newest_binary_of_each_pair(tmp_path):
+    """A pair's times come from the binary its last stored line names: a rebuilt kernel's new times replace the
+    old build's, a refusal by the new build drops the pair, and times of one build from several runs are averaged
+    (geometric mean)."""
+    import train
+
+    problem = ConvProblem("fwd", 1, 1, 8, 8, (6, 6), (3, 3), (1, 1), (1, 1), (1, 1), (1, 1), "fp32", "fp32", "fp32")
+    names = [f"conv2dfwd_fp32xfp32xfp32xfp32_nhwgc_identity_cpu_{ARCH}_t{t}_w1x1x1_i4x16x1_ppacked_sdataparallel_"
+             f"k1_c1x1x1_st0" for t in ("16x16x24", "64x32x64", "32x32x32")]
+    meta = {"machine_id": "m", "machine": {}, "op": "conv", "direction": "fwd", "backend": "cpu", "arch": ARCH}
+
+    def line(kernel, ms, binary=None):
+        row = {"problem": problem.to_dict(), "problem_id": sweep.problem_id(problem), "kernel": kernel, "ms": ms,
+               "groups": ["random"], "machine_id": "m"}
+        if ms is None:
+            row["refused"] = "CannotRun: no"
+        return row if binary is None else {**row, "binary": binary}
+
+    store = tmp_path / f"conv_fwd_cpu_{ARCH}.jsonl.gz"
+    sweep.append_store(store, [{"meta": meta}, line(names[0], 1.0), line(names[1], 2.0), line(names[2], 3.0)])
+    sweep.append_store(store, [line(names[0], 4.0, "a" * 16), line(names[0], 9.0, "a" * 16),  # rebuilt: 6 ms
+                               line(names[1], 8.0), line(names[2], None, "b" * 16)])  # another run; a refusal
+    [entry] = train.load_problems([str(store)]).values()
+    [p] = entry["problems"]
+    assert p["names"] == names[:2]
+    np.testing.assert_allclose(p["times"], [6.0, 4.0])  # sqrt(4 * 9); sqrt(2 * 8)
+
 
 def _train(tiny_bundle, tmp_path, direction, count=24):
     import train
