@@ -20,7 +20,8 @@ short by a crash is dropped when read), and a rerun times only the pairs the sto
 kernel binary it timed ("binary": the start of the shared object's sha256 in the bundle's manifest), so a
 kernel whose binary changed (its template, its flags, the toolchain) is timed again on the next run, and
 training takes a pair's times from the newest binary stored (lines from before the stamps count as an older
-binary). Sharded through Dask
+binary). The problems already in the store are swept besides the suites and random draws, so a new or rebuilt
+kernel is timed on all of them. Sharded through Dask
 distributed: one task per problem, one single-threaded worker process per GPU (a local cluster over the
 visible GPUs by default; --workers N on the cpu backend), or the workers of a running cluster
 (--scheduler ADDR; start one worker per GPU on each host: `CUDA_VISIBLE_DEVICES=i
@@ -205,6 +206,17 @@ def read_store(path: Path) -> tuple[list[dict], list[dict]]:
         elif isinstance(obj, dict) and "kernel" in obj and "problem_id" in obj:
             rows.append(obj)
     return metas, rows
+
+
+def stored_problems(rows: list[dict], op: str, exclude: set) -> list[dict]:
+    """The problems a store holds, besides those excluded (by problem id), as the sweep takes them: a kernel
+    new to the bundle or rebuilt since is timed on every problem already trained on, not only on today's draw."""
+    found: dict = {}
+    for r in rows:
+        if r["problem_id"] not in exclude:
+            entry = found.setdefault(r["problem_id"], {"problem": r["problem"], "groups": set()})
+            entry["groups"].update(r.get("groups") or [])
+    return [{"problem": problem_from_dict(e["problem"], op=op), "groups": sorted(e["groups"])} for e in found.values()]
 
 
 def append_store(path: Path, lines: Iterable[dict]) -> None:
@@ -441,7 +453,9 @@ def sweep(bundles: list[str], op: str, problems: list[dict], *, direction: Optio
         raise SystemExit(f"the bundles hold no {op} {direction or ''} kernels")
     store = store_path(out_dir, op, direction, facts["backend"], facts["arch"])
     binaries = facts["binaries"]
-    done = {(r["problem_id"], r["kernel"]) for r in read_store(store)[1] if r.get("binary") == binaries.get(r["kernel"])}
+    stored = read_store(store)[1]
+    done = {(r["problem_id"], r["kernel"]) for r in stored if r.get("binary") == binaries.get(r["kernel"])}
+    problems = problems + stored_problems(stored, op, exclude={problem_id(e["problem"]) for e in problems})
     keys = {n: parse_kernel_name(n) for n in names}
     todo, skipped = [], 0
     for entry in problems:  # the kernels whose signature serves the problem (rank, dtypes, layout, epilogue)
@@ -529,9 +543,10 @@ def main(argv=None) -> int:
                                                         layout=a.layout)]
     problems += random_problems(op, a.random, a.seed, direction=a.direction, dtype=a.dtype, layout=a.layout,
                                 max_flop=a.max_gflop * 1e9)
-    if not problems:
-        ap.error("no problems: give --suite FILE and / or --random N")
-    backend = bundle_facts(bundles)["backend"]
+    facts = bundle_facts(bundles)
+    backend = facts["backend"]
+    if not problems and not store_path(Path(a.out), op, a.direction, backend, facts["arch"]).exists():
+        ap.error("no problems: give --suite FILE and / or --random N (or rerun on a store, which sweeps its own)")
     batch_ms = a.batch_ms or (5.0 if backend == "cpu" else 1.0)
     result = sweep(bundles, op, problems, direction=a.direction, out_dir=Path(a.out), scheduler=a.scheduler,
                    workers=a.workers, batch_ms=batch_ms, repeats=a.repeats, budget_s=a.budget_s)

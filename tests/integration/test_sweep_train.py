@@ -137,6 +137,9 @@ def test_sharded_sweep_resumes_and_matches_one_worker(tiny_bundle, tmp_path):
     again = sweep.sweep([str(tiny_bundle)], "conv", problems, out_dir=tmp_path / "two", workers=2, **kw)
     assert again["timed"] == 0 and again["skipped"] == len(rows)
     assert len(sweep.read_store(store)[1]) == len(rows)  # nothing appended
+    # the store's own problems are swept besides those given: a rerun with fewer still covers all of them
+    fewer = sweep.sweep([str(tiny_bundle)], "conv", problems[:1], out_dir=tmp_path / "two", workers=2, **kw)
+    assert fewer["problems"] == len(problems) and fewer["timed"] == 0 and fewer["skipped"] == len(rows)
 
     one = sweep.sweep([str(tiny_bundle)], "conv", problems, out_dir=tmp_path / "one", workers=1, **kw)
     assert pairs(Path(one["store"])) == pairs(store)
@@ -151,7 +154,7 @@ def test_sharded_sweep_resumes_and_matches_one_worker(tiny_bundle, tmp_path):
                        [{**r, "binary": "0" * 16} if r["kernel"] == rebuilt else
                         {k: v for k, v in r.items() if k != "binary"} if r["problem_id"] == rows[0]["problem_id"]
                         else r for r in rows])
-    retimed = sweep.sweep([str(tiny_bundle)], "conv", problems, out_dir=tmp_path / "stale", workers=1, **kw)
+    retimed = sweep.sweep([str(tiny_bundle)], "conv", [], out_dir=tmp_path / "stale", workers=1, **kw)
     redone = {(r["problem_id"], r["kernel"]) for r in sweep.read_store(stale)[1][len(rows):]}
     assert redone == {(pid, k) for pid, k in pairs(store) if k == rebuilt or pid == rows[0]["problem_id"]}
     assert retimed["timed"] == len(redone) and retimed["skipped"] == len(rows) - len(redone)
