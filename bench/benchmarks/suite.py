@@ -3,6 +3,7 @@
     python bench/benchmarks/suite.py conv BUNDLE [BUNDLE ...] --out DIR [--shard I/N] [--limit N] [--only REGEX]
     python bench/benchmarks/suite.py gemm BUNDLE [BUNDLE ...] --out DIR [--dtypes fp16,bf16] [--shard I/N]
     python bench/benchmarks/suite.py report DIR [DIR ...]      # summary and PNG over every shard's results
+    python bench/benchmarks/suite.py compare BEFORE_DIR AFTER_DIR [--out FILE_STEM]   # two runs, point by point
 
 Ours: reg.conv_fwd / conv_bwd_data / conv_bwd_weight (x, w, out=..., groups=...) and reg.gemm(a, b, out=d) on one
 registry of the bundles' kernels, no tuning records: every host cost of a user's repeated call is in the time.
@@ -356,6 +357,62 @@ def geomean(values, weights=None) -> float:
     return math.exp(sum(w * math.log(v) for v, w in zip(values, weights)) / sum(weights))
 
 
+def group_names(r: dict) -> list[str]:
+    """The summary groups a point counts in: all; conv: its direction, direction x class, direction x rank;
+    GEMM: its dtype, dtype x pass, and for fwd decode (M <= 32, memory-bound) apart from prefill."""
+    if "direction" in r:
+        d = r["direction"]
+        return ["all", d, f"{d} {r.get('cls', '?')}", f"{d} {r.get('rank', '?')}D"]
+    names = ["all", f"{r['dtype']}", f"{r['dtype']} {r['pass']}"]
+    if r["pass"] == "fwd":
+        names.append(f"{r['dtype']} fwd M {'<=' if r['m'] <= 32 else '>'} 32")
+    return names
+
+
+def compare(before: list[dict], after: list[dict]) -> dict:
+    """Two runs of the same points in one call (e.g. the shipped models, then retrained ones): per group, over the
+    points both timed, the geomeans of peer / ours for each (the peer at its fastest over both runs, so the ratio
+    of the two is ours alone), the kernel alone for each, how many points picked another kernel, and before / after
+    of the selected kernel alone, apart for the points that changed their pick and those that kept it (whose ratio
+    is the drift between the two runs, the noise to read the first against)."""
+    mine = {point_key(r): r for r in after if "speedup" in r}
+    groups: dict[str, list[tuple]] = {}
+    for b in before:
+        a = mine.get(point_key(b))
+        if a is None or "speedup" not in b:
+            continue
+        peer = min(min(b["peer_ms"].values()), min(a["peer_ms"].values()))
+        for name in group_names(a):
+            groups.setdefault(name, []).append((b, a, peer))
+    out = {}
+    for name, pairs in sorted(groups.items()):
+        out[name] = {"points": len(pairs),
+                     "before": geomean([peer / b["ours_ms"] for b, a, peer in pairs]),
+                     "after": geomean([peer / a["ours_ms"] for b, a, peer in pairs]),
+                     "before_kernel_only": geomean([peer / b["kernel_ms"] for b, a, peer in pairs]),
+                     "after_kernel_only": geomean([peer / a["kernel_ms"] for b, a, peer in pairs]),
+                     "picks_changed": sum(b["kernel"] != a["kernel"] for b, a, peer in pairs)}
+        for kept, field in ((False, "changed_picks_kernel_speedup"), (True, "kept_picks_kernel_drift")):
+            ratios = [b["kernel_ms"] / a["kernel_ms"] for b, a, peer in pairs if (b["kernel"] == a["kernel"]) == kept]
+            out[name][field] = geomean(ratios) if ratios else None
+    return out
+
+
+def compare_markdown(result: dict, before: str, after: str) -> str:
+    lines = [f"Before: {before}; after: {after}. Peer time (fastest over both runs) / ours, geomean over the points "
+             "both runs timed; kernel alone: the selected kernel launched by itself (diagnostic); selected kernel "
+             "before / after: its time in the first run over the second's (> 1: the second faster), on the points "
+             "that changed their pick, and on those that kept it (the drift between the runs).", "",
+             "| group | points | public call before | after | kernel alone before | after | picks changed "
+             "| their kernel before / after | kept picks' drift |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    cell = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    for name, g in result.items():
+        lines.append(f"| {name} | {g['points']} | {g['before']:.3f} | {g['after']:.3f} | {g['before_kernel_only']:.3f} "
+                     f"| {g['after_kernel_only']:.3f} | {g['picks_changed']} | {cell(g['changed_picks_kernel_speedup'])} "
+                     f"| {cell(g['kept_picks_kernel_drift'])} |")
+    return "\n".join(lines) + "\n"
+
+
 def summarize(rows: list[dict]) -> dict:
     """Per group (conv: direction x class, direction x rank; GEMM: dtype x pass, dtype x decode / prefill): points,
     geomean of peer / ours (public call), its minimum and worst point, the use-weighted geomean, the selected
@@ -363,14 +420,7 @@ def summarize(rows: list[dict]) -> dict:
     layers also the geomeans of peer / copy and ours / copy (copy: the layer's minimum bytes moved once)."""
     groups: dict[str, list[dict]] = {}
     for r in rows:
-        if "direction" in r:
-            d = r["direction"]
-            names = [d, f"{d} {r.get('cls', '?')}", f"{d} {r.get('rank', '?')}D"]
-        else:
-            names = [f"{r['dtype']}", f"{r['dtype']} {r['pass']}"]
-            if r["pass"] == "fwd":  # decode (memory-bound) apart from prefill
-                names.append(f"{r['dtype']} fwd M {'<=' if r['m'] <= 32 else '>'} 32")
-        for name in ["all", *names]:
+        for name in group_names(r):
             groups.setdefault(name, []).append(r)
     out = {}
     for name, rs in sorted(groups.items()):
@@ -480,8 +530,9 @@ def shard(text: str) -> tuple[int, int]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("suite", choices=("conv", "gemm", "report"))
-    ap.add_argument("bundles", nargs="+", help="bundle directories (report: result directories)")
+    ap.add_argument("suite", choices=("conv", "gemm", "report", "compare"))
+    ap.add_argument("bundles", nargs="+", help="bundle directories (report: result directories; compare: two, "
+                                               "before and after)")
     ap.add_argument("--out", type=Path, help="results directory")
     ap.add_argument("--shard", type=shard, default=(0, 1), help="I/N: every N-th point from the I-th (0-based)")
     ap.add_argument("--limit", type=int, default=0, help="at most this many points (after sharding)")
@@ -498,6 +549,19 @@ def main(argv=None) -> int:
                     help="conv: ours through reg.conv_* (default) or the tiledispatch.torch operators a patched model "
                          "calls (TD_STRIDED_BWD_DATA picks their strided bwd_data route)")
     a = ap.parse_args(argv)
+    if a.suite == "compare":
+        if len(a.bundles) != 2:
+            ap.error("compare takes two result directories: before, then after")
+        before, after = (merged_rows(sorted(Path(d).glob("*.jsonl"))) for d in a.bundles)
+        result = compare(before, after)
+        if not result:
+            ap.error(f"{a.bundles[0]} and {a.bundles[1]} have no timed point in common")
+        out = a.out or Path(a.bundles[1]).parent / "compare"
+        out.with_suffix(".json").write_text(json.dumps({"before": a.bundles[0], "after": a.bundles[1],
+                                                        "groups": result}, indent=1) + "\n")
+        out.with_suffix(".md").write_text(compare_markdown(result, *a.bundles))
+        print(out.with_suffix(".md").read_text())
+        return 0
     if a.suite == "report":
         paths = sorted(p for d in a.bundles for p in Path(d).glob("*.jsonl"))
         out = a.out or Path(a.bundles[0])

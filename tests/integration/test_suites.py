@@ -380,3 +380,29 @@ def test_runner_markdown_table_has_a_row_per_group():
     body = [line for line in table if line.startswith("| ") and not line.startswith("| group")]
     assert len(body) == len(summary) and all(line.count("|") == table[2].count("|") for line in body)
     assert "0.50 (`a fwd fp16`)" in next(line for line in body if line.startswith("| fwd dense |"))
+
+
+def test_compare_two_runs_point_by_point(tmp_path):
+    """compare: the points both runs timed, the peer at its fastest over both, picks changed apart from kept."""
+    def row(pid, cls, peer, ours, kernel_ms, kernel):
+        return {"id": pid, "direction": "fwd", "dtype": "fp16", "cls": cls, "rank": 2, "status": "ok",
+                "peer_ms": {"cudnn": peer}, "ours_ms": ours, "kernel_ms": kernel_ms, "kernel": kernel}
+
+    before = [row("a", "dense", 1.0, 2.0, 1.0, "k1"), row("b", "dense", 2.0, 2.0, 2.0, "k2"),
+              row("c", "grouped", 1.0, 1.0, 1.0, "k3")]
+    after = [row("a", "dense", 0.5, 1.0, 0.5, "k4"), row("b", "dense", 2.0, 2.5, 2.5, "k2")]  # c: not timed
+    for d, rows in (("before", before), ("after", after)):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "conv.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["compare", str(tmp_path / "before"), str(tmp_path / "after"), "--out", str(tmp_path / "cmp")]
+    assert suite_runner.main(args) == 0
+    groups = json.loads((tmp_path / "cmp.json").read_text())["groups"]
+    assert set(groups) == {"all", "fwd", "fwd dense", "fwd 2D"} and groups["all"]["points"] == 2
+    g = groups["fwd dense"]
+    # peers 0.5 (a, the faster run's) and 2.0 (b): before 0.5/2 and 2/2, after 0.5/1 and 2/2.5
+    assert g["before"] == pytest.approx((0.25 * 1.0) ** 0.5) and g["after"] == pytest.approx((0.5 * 0.8) ** 0.5)
+    assert g["picks_changed"] == 1 and g["changed_picks_kernel_speedup"] == pytest.approx(2.0)
+    assert g["kept_picks_kernel_drift"] == pytest.approx(0.8)
+    assert "| fwd dense | 2 |" in (tmp_path / "cmp.md").read_text()
+    with pytest.raises(SystemExit):  # no point in common
+        suite_runner.main(["compare", str(tmp_path / "before"), str(tmp_path / "before" / "none")])
