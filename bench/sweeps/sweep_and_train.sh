@@ -8,8 +8,9 @@
 # (python bench/sweeps/identity_set.py conv_fp16_all_essential -o build/conv_sweep.yaml, then
 # scons kernels=build/conv_sweep.yaml backend=cutlass arch=sm90a bundle=conv_sweep).
 #
-# Each sweep appends to its store under bench/results/sweeps/ and skips what is stored, so the command can be
-# rerun after a time limit cut it short (--budget-s stops collecting after that long); training reads every store
+# Each sweep appends to its store under bench/results/sweeps/ and skips the pairs stored for the same kernel binary,
+# so the command can be rerun after a time limit cut it short (--budget-s stops collecting after that long), and
+# after a kernel changed it retimes that kernel on every problem the store holds; training reads every store
 # and writes runtime/tiledispatch/models/<backend>_<arch>_<task>.json with its .md card (which scores the model
 # it replaces on the same problems). Suites: bench/suites/
 # gemm.json (+ pointwise_gemms.json, the conv suite's 1x1 layers as GEMMs) and conv.json where they exist. Local
