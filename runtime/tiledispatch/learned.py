@@ -100,22 +100,22 @@ def features(problem, keys, names=None) -> np.ndarray:
         tiles = f64(t["output_tiles"] * t["split"])
         slots = units * f64(s.resident)
         waves = tiles / slots
-        one = np.ones(len(keys))
-        cols.update({
-            "log2_batch_n": one * math.log2(p.n), "log2_groups": one * math.log2(p.g),
-            "log2_c_per_group": one * math.log2(cg), "log2_k_per_group": one * math.log2(kg),
-            "spatial_dims": one * p.spatial_dims, "log2_in_pixels": one * math.log2(math.prod(p.in_size)),
-            "log2_out_pixels": one * math.log2(math.prod(p.out_size)), "log2_taps": one * math.log2(taps),
-            "stride": one * max(p.stride), "dilation": one * max(p.dilation),
-            "log2_problem_flops": one * math.log2(p.flops()), "depthwise": one * (cg == 1 and kg == 1),
-            "pointwise": one * pointwise, "resident_ctas": f64(s.resident), "log2_cost_factor": np.log2(s.cost_factor),
+        cols.update({  # the problem's own columns as scalars: the copy into out broadcasts them
+            "log2_batch_n": math.log2(p.n), "log2_groups": math.log2(p.g),
+            "log2_c_per_group": math.log2(cg), "log2_k_per_group": math.log2(kg),
+            "spatial_dims": p.spatial_dims, "log2_in_pixels": math.log2(math.prod(p.in_size)),
+            "log2_out_pixels": math.log2(math.prod(p.out_size)), "log2_taps": math.log2(taps),
+            "stride": max(p.stride), "dilation": max(p.dilation),
+            "log2_problem_flops": math.log2(p.flops()), "depthwise": float(cg == 1 and kg == 1),
+            "pointwise": float(pointwise), "resident_ctas": f64(s.resident), "log2_cost_factor": np.log2(s.cost_factor),
             "log2_view_batch": np.log2(batch), "lanes": f64((batch == 1) & (p.g > 1)), "log2_tiles": np.log2(tiles),
             "runtime_split": f64(t["runtime_split"]), "waves": waves,
             "last_wave_fill": tiles / (np.ceil(waves) * slots),
             "log2_k_iterations": np.log2(np.ceil(np.ceil(k / f64(t["split"])) / tk)),
             "persistent_partials": f64(~np.isnan(t["partials_steps"]))})
     out = np.empty((len(keys), len(FEATURES[problem.op])))
-    for i, name in enumerate(FEATURES[problem.op]):  # column by column: cheaper than np.column_stack's copies
+    # column by column, a scalar filling its whole column: cheaper than np.column_stack's copies
+    for i, name in enumerate(FEATURES[problem.op]):
         out[:, i] = cols[name]
     return out
 
