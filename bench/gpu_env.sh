@@ -36,6 +36,14 @@ td_pack_cache() {
   ls -la "$OUT"
 }
 
+# td_pack_out NAME DIR: DIR as $OUT/NAME.tgz, split into parts below a call's 16 MiB limit on a returned file
+# (a bigger file does not come back at all); here: cat NAME.tgz.part* | tar -xzf -
+td_pack_out() {
+  tar -czf "$OUT/$1.tgz" -C "$(dirname "$2")" "$(basename "$2")" || return 1
+  split -b 15m -d "$OUT/$1.tgz" "$OUT/$1.tgz.part" && rm "$OUT/$1.tgz"
+  ls -la "$OUT"
+}
+
 # td_partial_bundle ARCH BUNDLE: when a build ran out of time, a bundle of the kernels it finished
 td_partial_bundle() {
   [ -f "$TD_BUILD/$2/manifest.json" ] && return 0
