@@ -407,9 +407,10 @@ def compare_markdown(result: dict, before: str, after: str) -> str:
              "| their kernel before / after | kept picks' drift |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     cell = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     for name, g in result.items():
-        lines.append(f"| {name} | {g['points']} | {g['before']:.3f} | {g['after']:.3f} | {g['before_kernel_only']:.3f} "
-                     f"| {g['after_kernel_only']:.3f} | {g['picks_changed']} | {cell(g['changed_picks_kernel_speedup'])} "
-                     f"| {cell(g['kept_picks_kernel_drift'])} |")
+        cells = [g["before"], g["after"], g["before_kernel_only"], g["after_kernel_only"], g["picks_changed"],
+                 g["changed_picks_kernel_speedup"], g["kept_picks_kernel_drift"]]
+        lines.append(f"| {name} | {g['points']} | "
+                     + " | ".join(str(v) if isinstance(v, int) else cell(v) for v in cells) + " |")
     return "\n".join(lines) + "\n"
 
 

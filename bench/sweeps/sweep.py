@@ -465,6 +465,11 @@ def sweep(bundles: list[str], op: str, problems: list[dict], *, direction: Optio
         skipped += len(serving) - len(missing)
         if missing:
             todo.append((entry, missing))
+    rebuilt = sorted({r["kernel"] for r in stored
+                      if r["kernel"] in keys and (r["problem_id"], r["kernel"]) not in done})
+    if rebuilt:  # stored lines of another build (or from before the stamps): those kernels are timed again
+        log(f"{store}: {len(rebuilt)} kernel(s) with times of another binary, timed again: "
+            + ", ".join(rebuilt[:5]) + (" ..." if len(rebuilt) > 5 else ""))
     log(f"{store}: {len(problems)} problem(s), {len(names)} kernel(s); {skipped} pair(s) stored, "
         f"{sum(len(m) for _, m in todo)} to time")
     result = {"store": str(store), "timed": 0, "skipped": skipped, "failed": 0, "problems": len(problems)}
