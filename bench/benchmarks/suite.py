@@ -4,6 +4,7 @@
     python bench/benchmarks/suite.py gemm BUNDLE [BUNDLE ...] --out DIR [--dtypes fp16,bf16] [--shard I/N]
     python bench/benchmarks/suite.py report DIR [DIR ...]      # summary and PNG over every shard's results
     python bench/benchmarks/suite.py compare BEFORE_DIR AFTER_DIR [--out FILE_STEM]   # two runs, point by point
+    python bench/benchmarks/suite.py conv BUNDLE --versus OLD_BUNDLE --out DIR; suite.py compare DIR   # interleaved
 
 Ours: reg.conv_fwd / conv_bwd_data / conv_bwd_weight (x, w, out=..., groups=...) and reg.gemm(a, b, out=d) on one
 registry of the bundles' kernels, no tuning records: every host cost of a user's repeated call is in the time.
@@ -166,7 +167,7 @@ def conv_selected(reg, p: conv.ConvProblem, x, w, y):
 
 
 def conv_point(reg, layer: dict, direction: str, dtype: str, batch: int, device: str, gen, peer_only: bool,
-               api: str = "registry") -> dict:
+               api: str = "registry", versus=None, versus_first: bool = False) -> dict:
     p, x, w, y = conv_tensors(layer, direction, dtype, batch, gen)
     row = {"id": layer["id"], "direction": direction, "dtype": dtype, "cls": layer["cls"], "rank": layer["rank"],
            "n": p.n, "weight": layer["weight"], "flops": p.flops()}
@@ -188,19 +189,39 @@ def conv_point(reg, layer: dict, direction: str, dtype: str, batch: int, device:
         del src, dst
     written = {"fwd": y, "bwd_data": x, "bwd_weight": w}[direction]
     geo = dict(stride=p.stride, dilation=p.dilation, pad_lo=p.pad_lo, pad_hi=p.pad_hi, groups=p.g)
-    if api == "torch":  # the operators a patched model's forward and autograd backward call (each returns a new tensor)
-        import tiledispatch.torch as tdt
-        ops, handle = torch.ops.tiledispatch, tdt.register(reg)
-        args = (list(p.stride), list(p.dilation), list(p.pad_lo), list(p.pad_hi), p.g, handle)
-        ours = {"fwd": lambda: ops.conv_fwd(x, w, None, [], "identity", 0.0, 0.0, *args),
-                "bwd_data": lambda: ops.conv_bwd_data(y, w, list(x.shape[2:]), *args),
-                "bwd_weight": lambda: ops.conv_bwd_weight(x, y, list(w.shape[2:]), *args)}[direction]
-    else:
-        ours = {"fwd": lambda: reg.conv_fwd(x, w, out=y, **geo),
-                "bwd_data": lambda: reg.conv_bwd_data(y, w, out=x, **geo),
-                "bwd_weight": lambda: reg.conv_bwd_weight(x, y, out=w, **geo)}[direction]
     exact = lambda: cudnn_forms(p, x.double(), w.double(), y.double())["cudnn"]()  # noqa: E731
-    return ours_and_check(row, ours, written, want, lambda: conv_selected(reg, p, x, w, y), device, exact)
+
+    def measure(reg, into: dict) -> dict:
+        if api == "torch":  # the operators a patched model's forward and autograd backward call (each a new tensor)
+            import tiledispatch.torch as tdt
+            ops, handle = torch.ops.tiledispatch, tdt.register(reg)
+            args = (list(p.stride), list(p.dilation), list(p.pad_lo), list(p.pad_hi), p.g, handle)
+            ours = {"fwd": lambda: ops.conv_fwd(x, w, None, [], "identity", 0.0, 0.0, *args),
+                    "bwd_data": lambda: ops.conv_bwd_data(y, w, list(x.shape[2:]), *args),
+                    "bwd_weight": lambda: ops.conv_bwd_weight(x, y, list(w.shape[2:]), *args)}[direction]
+        else:
+            ours = {"fwd": lambda: reg.conv_fwd(x, w, out=y, **geo),
+                    "bwd_data": lambda: reg.conv_bwd_data(y, w, out=x, **geo),
+                    "bwd_weight": lambda: reg.conv_bwd_weight(x, y, out=w, **geo)}[direction]
+        return ours_and_check(into, ours, written, want, lambda: conv_selected(reg, p, x, w, y), device, exact)
+
+    return measured(row, measure, reg, versus, versus_first)
+
+
+VERSUS_FIELDS = ("status", "reason", "rel_error", "rel_error_f64", "peer_off", "ours_ms", "kernel", "kernel_ms")
+
+
+def measured(row: dict, measure, reg, versus, versus_first: bool) -> dict:
+    """measure(reg, row): ours on the row. With a versus registry (--versus: the other side of a before / after),
+    also measure(versus, ...) into row["versus"], the two taken one right after the other on the same operands;
+    which goes first alternates by point, so that neither always finds the caches warm from the other."""
+    if versus is None:
+        return measure(reg, row)
+    other = {"dtype": row["dtype"]}
+    for r, into in ([(versus, other), (reg, row)] if versus_first else [(reg, row), (versus, other)]):
+        measure(r, into)
+    row["versus"] = {k: other[k] for k in VERSUS_FIELDS if k in other}
+    return row
 
 
 def ours_and_check(row: dict, ours, written: torch.Tensor, want: torch.Tensor, selected, device: str,
@@ -233,7 +254,8 @@ def ours_and_check(row: dict, ours, written: torch.Tensor, want: torch.Tensor, s
 
 
 # ---- GEMM ------------------------------------------------------------------------------------------------------
-def gemm_point(reg, shape: dict, dtype: str, device: str, gen, peer_only: bool) -> dict:
+def gemm_point(reg, shape: dict, dtype: str, device: str, gen, peer_only: bool, versus=None,
+               versus_first: bool = False) -> dict:
     m, n, k, layout = shape["m"], shape["n"], shape["k"], shape["layout"]
     a = random_tensor((m, k), dtype, gen, layout[0])
     b = random_tensor((k, n), dtype, gen, layout[1])
@@ -247,13 +269,16 @@ def gemm_point(reg, shape: dict, dtype: str, device: str, gen, peer_only: bool) 
     if peer_only:
         return row
 
-    def selected():
-        problem, ops = gemm_op.operands(a, b, d)
-        kern = reg.select(problem, operands=ops)
-        return kern.name, launch(kern, bind(reg, problem, kern, ops))
+    def measure(reg, into: dict) -> dict:
+        def selected():
+            problem, ops = gemm_op.operands(a, b, d)
+            kern = reg.select(problem, operands=ops)
+            return kern.name, launch(kern, bind(reg, problem, kern, ops))
 
-    return ours_and_check(row, lambda: reg.gemm(a, b, out=d), d, want, selected, device,
-                          lambda: torch.mm(a.double(), b.double()))
+        return ours_and_check(into, lambda: reg.gemm(a, b, out=d), d, want, selected, device,
+                              lambda: torch.mm(a.double(), b.double()))
+
+    return measured(row, measure, reg, versus, versus_first)
 
 
 # ---- the run ---------------------------------------------------------------------------------------------------
@@ -286,6 +311,7 @@ def points(suite_name: str, suite: dict, a) -> list[tuple]:
 def run_points(a, suite_name: str, selection: list[tuple], out_jsonl: Path, peer_only: bool, done: set) -> None:
     torch.backends.cudnn.benchmark = True
     reg = None if peer_only else registry_of(a.bundles)
+    versus = registry_of(a.versus) if a.versus and not peer_only else None
     gen = torch.Generator(device=a.device).manual_seed(20)
     start = time.time()
     with out_jsonl.open("a") as f:
@@ -295,9 +321,10 @@ def run_points(a, suite_name: str, selection: list[tuple], out_jsonl: Path, peer
                 continue
             try:
                 if suite_name == "conv":
-                    row = conv_point(reg, entry, direction, dtype, a.batch, a.device, gen, peer_only, a.api)
+                    row = conv_point(reg, entry, direction, dtype, a.batch, a.device, gen, peer_only, a.api,
+                                     versus, i % 2 == 1)
                 else:
-                    row = gemm_point(reg, entry, dtype, a.device, gen, peer_only)
+                    row = gemm_point(reg, entry, dtype, a.device, gen, peer_only, versus, i % 2 == 1)
             except Exception as e:  # noqa: BLE001  (one point's failure must not hide the others')
                 row = {"id": entry["id"], "direction" if suite_name == "conv" else "pass": direction, "dtype": dtype,
                        "status": "error", "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-1500:]}
@@ -375,11 +402,11 @@ def compare(before: list[dict], after: list[dict]) -> dict:
     of the two is ours alone), the kernel alone for each, how many points picked another kernel, and before / after
     of the selected kernel alone, apart for the points that changed their pick and those that kept it (whose ratio
     is the drift between the two runs, the noise to read the first against)."""
-    mine = {point_key(r): r for r in after if "speedup" in r}
+    mine = {point_key(r): r for r in after if "ours_ms" in r and "peer_ms" in r}
     groups: dict[str, list[tuple]] = {}
     for b in before:
         a = mine.get(point_key(b))
-        if a is None or "speedup" not in b:
+        if a is None or "ours_ms" not in b or "peer_ms" not in b:
             continue
         peer = min(min(b["peer_ms"].values()), min(a["peer_ms"].values()))
         for name in group_names(a):
@@ -545,22 +572,33 @@ def main(argv=None) -> int:
     ap.add_argument("--peer-processes", type=int, choices=(1, 2), help="default: 2 on cuda, 1 on cpu")
     ap.add_argument("--peer-only", action="store_true", help=argparse.SUPPRESS)  # the second process
     ap.add_argument("--resume", type=Path, help="skip the points whose results are in this directory")
+    ap.add_argument("--versus", nargs="+", default=[], metavar="BUNDLE",
+                    help="the other side of a before / after (e.g. the bundle built before a change): its public "
+                         "call and selected kernel timed at each point right beside ours, in the row's 'versus'; "
+                         "`compare DIR` reads them as the before")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--api", choices=("registry", "torch"), default="registry",
                     help="conv: ours through reg.conv_* (default) or the tiledispatch.torch operators a patched model "
                          "calls (TD_STRIDED_BWD_DATA picks their strided bwd_data route)")
     a = ap.parse_args(argv)
     if a.suite == "compare":
-        if len(a.bundles) != 2:
-            ap.error("compare takes two result directories: before, then after")
-        before, after = (merged_rows(sorted(Path(d).glob("*.jsonl"))) for d in a.bundles)
+        if len(a.bundles) == 2:
+            before, after = (merged_rows(sorted(Path(d).glob("*.jsonl"))) for d in a.bundles)
+            labels = a.bundles
+        elif len(a.bundles) == 1:  # one run with --versus: its versus measurements are the before
+            after = merged_rows(sorted(Path(a.bundles[0]).glob("*.jsonl")))
+            before = [{**{k: v for k, v in r.items() if k not in VERSUS_FIELDS}, **r["versus"]}
+                      for r in after if "versus" in r]
+            labels = [f"{a.bundles[0]} (--versus)", a.bundles[0]]
+        else:
+            ap.error("compare takes two result directories (before, after) or one run with --versus")
         result = compare(before, after)
         if not result:
-            ap.error(f"{a.bundles[0]} and {a.bundles[1]} have no timed point in common")
-        out = a.out or Path(a.bundles[1]).parent / "compare"
-        out.with_suffix(".json").write_text(json.dumps({"before": a.bundles[0], "after": a.bundles[1],
+            ap.error(f"{' and '.join(a.bundles)}: no timed point in both")
+        out = a.out or Path(a.bundles[-1]).parent / "compare"
+        out.with_suffix(".json").write_text(json.dumps({"before": labels[0], "after": labels[1],
                                                         "groups": result}, indent=1) + "\n")
-        out.with_suffix(".md").write_text(compare_markdown(result, *a.bundles))
+        out.with_suffix(".md").write_text(compare_markdown(result, *labels))
         print(out.with_suffix(".md").read_text())
         return 0
     if a.suite == "report":
@@ -598,7 +636,7 @@ def main(argv=None) -> int:
     paths = [p for p in (a.out / f"{stem}.jsonl", a.out / f"{stem}_peer.jsonl") if p.exists()]
     bundles = {b: {k: v for k, v in json.loads((Path(b) / "manifest.json").read_text()).items() if k != "kernels"}
                for b in a.bundles}  # what built them (toolchain, sets), not the kernel list
-    info = {"suite": a.suite, "machine": machine(a.device), "device": a.device, "api": a.api,
+    info = {"suite": a.suite, "machine": machine(a.device), "device": a.device, "api": a.api, "versus": a.versus,
             "strided_bwd_data": os.environ.get("TD_STRIDED_BWD_DATA", "auto"), "bundles": bundles,
             "shard": list(a.shard), "points": len(selection), "seconds": round(time.time() - start, 1),
             "timing": f"median of {REPEATS} batches of back-to-back calls (about {TARGET_MS} ms a batch), CUDA events; "

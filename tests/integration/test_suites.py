@@ -406,3 +406,26 @@ def test_compare_two_runs_point_by_point(tmp_path):
     assert "| fwd dense | 2 |" in (tmp_path / "cmp.md").read_text()
     with pytest.raises(SystemExit):  # no point in common
         suite_runner.main(["compare", str(tmp_path / "before"), str(tmp_path / "before" / "none")])
+
+
+def test_runner_versus_times_a_second_bundle_beside_ours(smoke_bundle, tmp_path):
+    """--versus: another bundle's public call measured at each point right beside ours (here one without the direct
+    kernels, so the layers only those run have no kernel there); `compare DIR` reads it as the before."""
+    packed_only = SMOKE_SET.replace("      - {spatial_dims: [1, 2], pipeline: direct", "      # - no direct")
+    build_cpu_bundle(tmp_path, "suite_smoke_packed", packed_only.replace("name: suite_smoke", "name: suite_smoke_packed"))
+    ids = smallest_layers()
+    only = "^(" + "|".join(map(re.escape, ids)) + ")$"
+    args = ["conv", str(smoke_bundle), "--versus", str(tmp_path / "suite_smoke_packed"), "--out", str(tmp_path / "r"),
+            "--device", "cpu", "--batch", "1", "--only", only, "--directions", "fwd"]
+    assert suite_runner.main(args) == 0
+    rows = json.loads((tmp_path / "r" / "conv.json").read_text())["rows"]
+    assert rows and all(r["status"] == "ok" and "versus" in r for r in rows)
+    versus = [r["versus"] for r in rows]
+    timed = [v for v in versus if v["status"] == "ok"]
+    assert timed and all(v["ours_ms"] > 0 and v["kernel_ms"] > 0 and "_ppacked_" in v["kernel"] for v in timed)
+    assert {v["status"] for v in versus} == {"ok", "no kernel"}  # 1D C = 1 and depthwise need the direct kernels
+    assert suite_runner.main(["compare", str(tmp_path / "r"), "--out", str(tmp_path / "cmp")]) == 0
+    result = json.loads((tmp_path / "cmp.json").read_text())
+    assert result["before"].endswith("(--versus)") and result["groups"]["all"]["points"] == len(timed)
+    assert result["groups"]["all"]["picks_changed"] == sum(v["kernel"] != r["kernel"] for v, r in zip(versus, rows)
+                                                           if v["status"] == "ok")
