@@ -560,7 +560,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("suite", choices=("conv", "gemm", "report", "compare"))
     ap.add_argument("bundles", nargs="+", help="bundle directories (report: result directories; compare: two, "
-                                               "before and after)")
+                                               "before and after, or one run made with --versus)")
     ap.add_argument("--out", type=Path, help="results directory")
     ap.add_argument("--shard", type=shard, default=(0, 1), help="I/N: every N-th point from the I-th (0-based)")
     ap.add_argument("--limit", type=int, default=0, help="at most this many points (after sharding)")

@@ -157,7 +157,8 @@ def test_sharded_sweep_resumes_and_matches_one_worker(tiny_bundle, tmp_path):
     said = []
     retimed = sweep.sweep([str(tiny_bundle)], "conv", [], out_dir=tmp_path / "stale", workers=1,
                           **{**kw, "log": said.append})
-    assert f"{len(kernels)} kernel(s) with times of another binary, timed again" in said[0]  # the first problem's too
+    # every kernel is named: the first problem's lines of all of them are unstamped
+    assert f"{len(kernels)} kernel(s) with times of another binary, timed again" in said[0]
     redone = {(r["problem_id"], r["kernel"]) for r in sweep.read_store(stale)[1][len(rows):]}
     assert redone == {(pid, k) for pid, k in pairs(store) if k == rebuilt or pid == rows[0]["problem_id"]}
     assert retimed["timed"] == len(redone) and retimed["skipped"] == len(rows) - len(redone)
