@@ -173,7 +173,7 @@ def main() -> int:
             (Path(tmp) / f"cpu_{reg.arch}_conv_fwd.json").write_text(kept.read_text())
         else:
             kept.write_text(synthetic_model(reg, Path(tmp)).read_text())
-        learned.model_for.cache_clear()
+        learned.clear_models()
         model = learned.model_for("cpu", reg.arch, "conv_fwd")
         rows = []
         fresh = td.load(bundle_dir)

@@ -20,6 +20,7 @@ import struct
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Optional
 
 from .errors import BundleError
 from .spec.key import KernelKey, parse_kernel_name
@@ -72,17 +73,19 @@ def write_manifest(bundle_dir: str | Path, keys: list[KernelKey], *, backend: st
     return target
 
 
-def selection_models(keys: list[KernelKey]) -> dict:
+def selection_models(keys: list[KernelKey], models: Optional[Path] = None) -> dict:
     """Per task of the keys (gemm, conv_<direction>): the learned model that ranks them (its file and version)
-    and the kernels it covers but was never trained on; None for a task no model covers."""
+    and the kernels it covers but was never trained on; None for a task no model covers. models: a folder whose
+    model files replace the shipped ones (learned.model_path)."""
     from . import learned
 
     out = {}
     for task in sorted({learned.task_of(key) for key in keys}):
         mine = [key for key in keys if learned.task_of(key) == task]
-        model = learned.model_for(mine[0].backend, mine[0].arch, task)
+        model = learned.model_for(mine[0].backend, mine[0].arch, task, models)
+        path = learned.model_path(mine[0].backend, mine[0].arch, task, models)
         out[task] = None if model is None else {
-            "model": learned.model_path(mine[0].backend, mine[0].arch, task).name, "version": model.version,
+            "model": path.name if models is None else str(path), "version": model.version,
             "covers": sum(model.applies(None, key) for key in mine), "unseen": model.unseen(mine)}
     return out
 

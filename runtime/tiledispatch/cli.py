@@ -262,7 +262,7 @@ def cmd_info(reg, a) -> int:
         m = reg.manifest
         _print({"backend": m["backend"], "arch": m["arch"], "kernel_sets": m.get("kernel_sets"),
                 "toolchain": m.get("toolchain"), "created": m.get("created"), "kernels": len(m["kernels"]),
-                "selection_models": learned.describe(m["backend"], m["arch"]),
+                "selection_models": learned.describe(m["backend"], m["arch"], reg.models),
                 "ranked_by": reg.selection_models(),
                 **({"pack": m["pack"], "skipped": reg.skipped} if "pack" in m else {})})
     return 0
@@ -291,16 +291,17 @@ def _explain_model(reg, p, fits: list, top: int) -> dict:
     their predicted times and, when this device has a tuning record for the problem and these candidates, the
     measured ones; the candidates the model does not cover (ranked after its own, analytically) and those it
     covers but never saw in training."""
-    model = learned.model_of(fits)
+    model = learned.model_of(fits, reg.models)
     if model is None:
         return {"model": None, "why": f"no learned model for {reg.backend}/{reg.arch} "
                                       f"{_task(p)}: analytic ranking"}
-    covered, rest = learned.split(p, fits)
+    covered, rest = learned.split(p, fits, reg.models)
     record = reg.tuning_record(p, fits)
     measured = (record or {}).get("times_ms", {})
     predicted, unit = model.predicted_times(p, [k.key for k in covered], tuple(k.name for k in covered))
     order = sorted(range(len(covered)), key=lambda i: (predicted[i], covered[i].name))[:top]
-    return {"model": {"file": learned.model_path(reg.backend, reg.arch, model.task).name, "version": model.version,
+    path = learned.model_path(reg.backend, reg.arch, model.task, reg.models)
+    return {"model": {"file": path.name if reg.models is None else str(path), "version": model.version,
                       "trained": {k: model.meta.get(k) for k in ("date", "machine", "machines", "shapes", "kernels")
                                   if k in model.meta},
                       "target": model.target, "bundle_recorded": (reg.manifest.get("selection_models") or {}).get(
@@ -460,6 +461,9 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("bundle",
                         help="bundle directory (holds manifest.json), NAME.tdpack or an installed pack's name")
         sp.add_argument("--trust", metavar="PUBLIC_KEY", help="a pack must be signed with this ed25519 key (PEM file)")
+        sp.add_argument("--models", metavar="DIR", help="rank with the learned models in DIR (<backend>_<arch>_<task>"
+                                                         ".json, as bench/sweeps/train.py --out writes them) instead "
+                                                         "of the shipped ones")
         if name == "info":
             sp.add_argument("--kernel", help="show one kernel's key")
         if with_problem:
@@ -493,7 +497,7 @@ def _main(argv) -> int:
         a = parser().parse_args(argv)
         if getattr(a, "standalone", False):
             return a.fn(a)
-        reg = loader.load(a.bundle, trust=a.trust)
+        reg = loader.load(a.bundle, trust=a.trust, models=a.models)
         return a.fn(reg, a)
     except BrokenPipeError:
         raise

@@ -37,8 +37,13 @@ CONV_FEATURES = (
     "resident_ctas", "log2_cost_factor",
     "log2_m", "log2_n", "log2_k", "log2_view_batch", "lanes", "log2_tiles", "runtime_split", "waves",
     "last_wave_fill", "edge_fill_m", "edge_fill_n", "edge_fill", "log2_k_iterations", "persistent_partials",
-    "log2_analytic_cost", "tile_intensity",
+    "log2_analytic_cost", "tile_intensity", "log2_c_align", "log2_k_align",
 )
+# log2_c_align / log2_k_align: the largest power of two (up to 16) dividing C/G and K/G. A kernel that needs fewer
+# aligned channels (cutlass.align 1 / 4) is the fastest one on the problems no other kernel runs, and slower than
+# its aligned twins where those run too; without these columns the trees could not tell the two cases apart and
+# ranked the generic kernels first on aligned problems (2-2.5x misses; bench/results/conv_model_h200/align_features)
+ALIGN_CAP = 16
 FEATURES = {"gemm": GEMM_FEATURES, "conv": CONV_FEATURES}
 # the features a kernel alone decides (its key and selection's per-key statics), whatever the problem
 KERNEL_FEATURES = frozenset({
@@ -107,6 +112,7 @@ def features(problem, keys, names=None) -> np.ndarray:
             "log2_out_pixels": math.log2(math.prod(p.out_size)), "log2_taps": math.log2(taps),
             "stride": max(p.stride), "dilation": max(p.dilation),
             "log2_problem_flops": math.log2(p.flops()), "depthwise": float(cg == 1 and kg == 1),
+            "log2_c_align": math.log2(min(ALIGN_CAP, cg & -cg)), "log2_k_align": math.log2(min(ALIGN_CAP, kg & -kg)),
             "pointwise": float(pointwise), "resident_ctas": f64(s.resident), "log2_cost_factor": np.log2(s.cost_factor),
             "log2_view_batch": np.log2(batch), "lanes": f64((batch == 1) & (p.g > 1)), "log2_tiles": np.log2(tiles),
             "runtime_split": f64(t["runtime_split"]), "waves": waves,
@@ -364,10 +370,16 @@ class Model:
         self.task = self.op if self.op != "conv" else f"conv_{self.direction}"
         if self.task not in TASKS:
             raise ValueError(f"{origin}: a conv model names no direction (applies_to.direction)")
-        if tuple(data["features"]) != FEATURES[self.op]:
-            raise ValueError(f"{origin}: the model's features differ from this runtime's ({self.op})")
+        # a model names the features it was trained on, in its own column order: any of this runtime's (a model
+        # trained before a feature was added keeps working on the features it knows)
+        names = tuple(data["features"])
+        unknown = [name for name in names if name not in FEATURES[self.op]]
+        if unknown:
+            raise ValueError(f"{origin}: the model uses features this runtime does not compute ({self.op}): "
+                             f"{', '.join(unknown)}")
+        self.columns = None if names == FEATURES[self.op] else np.array([FEATURES[self.op].index(n) for n in names])
         self.trees = TreeEnsemble(data["trees"])
-        self.kernel_columns = frozenset(i for i, name in enumerate(FEATURES[self.op]) if name in KERNEL_FEATURES)
+        self.kernel_columns = frozenset(i for i, name in enumerate(names) if name in KERNEL_FEATURES)
         self.meta = data.get("trained", {})
         # what identifies this model: its trees, features and domain (not where the file lies)
         body = json.dumps({k: data[k] for k in ("features", "applies_to", "trees")}, sort_keys=True)
@@ -422,7 +434,8 @@ class Model:
 
     def _predict(self, problem, keys, names) -> np.ndarray:
         # with the kernels' names, what the kernel-only features leave of the trees is kept per kernel list
-        return self.trees.predict(features(problem, keys, names), names, self.kernel_columns)
+        x = features(problem, keys, names)
+        return self.trees.predict(x if self.columns is None else x[:, self.columns], names, self.kernel_columns)
 
 
 def _what_the_model_sees(key) -> tuple:
@@ -432,10 +445,13 @@ def _what_the_model_sees(key) -> tuple:
 _PACK_MODELS: dict[str, Path] = {}  # file name -> a model a loaded pack carries (loader.py)
 
 
-def model_path(backend: str, arch: str, task: str) -> Path:
-    """The runtime's own model for a task (gemm, conv_fwd, conv_bwd_data, conv_bwd_weight); where it has
-    none, one a loaded pack carries."""
-    own = MODELS_DIR / f"{backend}_{arch}_{task}.json"
+def model_path(backend: str, arch: str, task: str, models: Optional[Path] = None) -> Path:
+    """The model file for a task (gemm, conv_fwd, conv_bwd_data, conv_bwd_weight): the one in `models` (a folder a
+    registry was loaded with) where it has one, else the runtime's own, else one a loaded pack carries."""
+    name = f"{backend}_{arch}_{task}.json"
+    if models is not None and (Path(models) / name).exists():
+        return Path(models) / name
+    own = MODELS_DIR / name
     return own if own.exists() or own.name not in _PACK_MODELS else _PACK_MODELS[own.name]
 
 
@@ -446,31 +462,46 @@ def add_pack_models(paths) -> None:
     for path in new:
         _PACK_MODELS[path.name] = path
     if new:
-        model_for.cache_clear()
+        clear_models()
 
 
-@functools.lru_cache(maxsize=None)
-def model_for(backend: str, arch: str, task: str) -> Optional[Model]:
-    """The shipped model for a backend, arch and task (gemm or conv_<direction>), or None when there is none."""
-    path = model_path(backend, arch, task)
-    if task not in TASKS or not path.exists():
+def model_for(backend: str, arch: str, task: str, models: Optional[Path] = None) -> Optional[Model]:
+    """The model for a backend, arch and task (gemm or conv_<direction>), or None when there is none; models: a
+    folder whose files replace the shipped ones (model_path). A file is read once while it stays the same (a model
+    retrained into the same folder is read again)."""
+    path = model_path(backend, arch, task, models)
+    if task not in TASKS:
         return None
-    return Model(json.loads(path.read_text()), str(path))
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    return _read_model(str(path), stat.st_mtime_ns, stat.st_size)
 
 
-def model_of(kernels) -> Optional[Model]:
+@functools.lru_cache(maxsize=64)
+def _read_model(path: str, mtime_ns: int, size: int) -> Model:
+    return Model(json.loads(Path(path).read_text()), path)
+
+
+def clear_models() -> None:
+    """Forget the model files read so far (model_for reads them again)."""
+    _read_model.cache_clear()
+
+
+def model_of(kernels, models: Optional[Path] = None) -> Optional[Model]:
     """The model for the kernels' backend, arch and task (taken from the first), or None."""
     if not kernels:
         return None
     first = kernels[0].key
-    return model_for(first.backend, first.arch, task_of(first))
+    return model_for(first.backend, first.arch, task_of(first), models)
 
 
-def split(problem, kernels) -> tuple[list, list]:
+def split(problem, kernels, models: Optional[Path] = None) -> tuple[list, list]:
     """(the kernels a shipped model covers, the others). Where the model's domain holds a kernel its card says it
     was never trained on, it ranks none of them (its prediction for that kernel would be a guess, and the
     kernels it knows would all rank before it): the caller's analytic order takes them all."""
-    model = model_of(kernels)
+    model = model_of(kernels, models)
     if model is None:
         return [], list(kernels)
     token = (model.version, tuple(kern.name for kern in kernels))  # applies() and knows() read the keys alone
@@ -495,24 +526,25 @@ def _coverage(model, kernels) -> list:
     return covers
 
 
-def scores(problem, kernels) -> Optional[np.ndarray]:
+def scores(problem, kernels, models: Optional[Path] = None) -> Optional[np.ndarray]:
     """The model's prediction for each kernel, or None when no model covers every kernel (split)."""
-    covered, rest = split(problem, kernels)
+    covered, rest = split(problem, kernels, models)
     if not covered or rest:
         return None
-    return model_of(kernels).predict(problem, [kern.key for kern in kernels], tuple(kern.name for kern in kernels))
+    return model_of(kernels, models).predict(problem, [kern.key for kern in kernels], tuple(kern.name for kern in kernels))
 
 
-def rank(problem, kernels, *, covered: bool = False) -> Optional[list]:
+def rank(problem, kernels, *, covered: bool = False, models: Optional[Path] = None) -> Optional[list]:
     """Kernels sorted by the model's prediction, or None when no model covers every kernel (mixing
     predictions with another ranker's estimates would compare unlike numbers). covered: the caller has
-    checked that the model covers them all (split)."""
+    checked that the model covers them all (split). models: as model_for's."""
     if not kernels:
         return []
     if covered:
-        predicted = model_of(kernels).predict(problem, [k.key for k in kernels], tuple(k.name for k in kernels))
+        predicted = model_of(kernels, models).predict(problem, [k.key for k in kernels],
+                                                      tuple(k.name for k in kernels))
     else:
-        predicted = scores(problem, kernels)
+        predicted = scores(problem, kernels, models)
     if predicted is None:
         return None
     predicted = predicted.tolist()  # Python floats: a cheaper sort key than numpy scalars
@@ -520,11 +552,12 @@ def rank(problem, kernels, *, covered: bool = False) -> Optional[list]:
     return [kernels[i] for i in order]
 
 
-def describe(backend: str, arch: str) -> dict:
-    """What each shipped model of a backend/arch was trained on and how well it did (for `info`)."""
+def describe(backend: str, arch: str, models: Optional[Path] = None) -> dict:
+    """What each model of a backend/arch (the shipped ones, or a folder's: model_path) was trained on and how well
+    it did (for `info`)."""
     out = {}
     for task in TASKS:
-        model = model_for(backend, arch, task)
+        model = model_for(backend, arch, task, models)
         if model is not None:
             brief = {k: model.meta.get(k) for k in ("machine", "date", "shapes", "kernels", "cross_validated")}
             out[task] = {"applies_to": model.applies_to, "version": model.version, "trained": brief}

@@ -80,7 +80,8 @@ class LazyKernel(registry.Kernel):
 
 def load(source: Union[str, Path], *, backend: Optional[str] = None, arch: Optional[str] = None, trust=None,
          lazy: Optional[bool] = None, autotune: bool = False,
-         tuning_cache: Optional[tuning.TuningCache] = None, jit: Union[bool, dict] = False) -> registry.Registry:
+         tuning_cache: Optional[tuning.TuningCache] = None, jit: Union[bool, dict] = False,
+         models: Union[str, Path, None] = None) -> registry.Registry:
     """Load kernels from `source`: a bundle directory, a pack file, or the name of a pack installed as a
     wheel (entry point group tiledispatch.packs).
 
@@ -91,7 +92,9 @@ def load(source: Union[str, Path], *, backend: Optional[str] = None, arch: Optio
     trust: an ed25519 public key (PEM file, PEM text, raw 32 bytes) the pack must be signed with.
     lazy: open each kernel library on first use (the default for packs; lazy=False opens all of them now);
     directories open every kernel up front, as before, unless lazy=True. autotune, tuning_cache: see Registry.
-    jit: build on demand the kernels a problem or a kernel name needs that the bundle lacks (registry.load)."""
+    jit: build on demand the kernels a problem or a kernel name needs that the bundle lacks (registry.load).
+    models: a folder of learned ranking models that rank the kernels instead of the shipped ones, for the tasks it
+    has a file for (Registry.use_models)."""
     path = Path(source)
     if path.is_dir():
         if trust is not None:
@@ -111,6 +114,7 @@ def load(source: Union[str, Path], *, backend: Optional[str] = None, arch: Optio
         reg.source, reg.skipped = path, []
         reg.summary = f"{path}: using {reg.backend}/{reg.arch} ({len(reg)} kernels)"
         reg.jit = registry.on_demand(jit)
+        reg.use_models(models)
         return reg
     if not path.exists():
         text = os.fspath(source)
@@ -124,6 +128,7 @@ def load(source: Union[str, Path], *, backend: Optional[str] = None, arch: Optio
         for kern in reg.kernels:
             kern.library
     reg.jit = registry.on_demand(jit)
+    reg.use_models(models)
     return reg
 
 

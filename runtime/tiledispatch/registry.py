@@ -6,6 +6,7 @@ td_can_run accepts it. run() launches exactly one kernel, once.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import threading
 from pathlib import Path
@@ -13,7 +14,7 @@ from typing import Callable, Optional, Union
 
 import numpy as np
 
-from . import abi, arrays, bundle, selection, tuning
+from . import abi, arrays, bundle, learned, selection, tuning
 from . import backends
 from .ops import get as ops_get
 from .ops import conv as conv_op
@@ -82,6 +83,10 @@ class Registry:
         self._device_identity: Optional[str] = None
         self._checked_runnable = False
         self._workspaces: dict = {}  # (device, stream) -> [(buffer, bytes)], grow-only
+        # ranked(problem, kernels): the kernels in this registry's learned order, by the shipped models or by those
+        # of the folder given to use_models (load(models=...)) for the tasks it has a file for
+        self.models: Optional[Path] = None
+        self.ranked = selection.learned
 
     def __len__(self) -> int:
         return len(self.kernels)
@@ -103,6 +108,16 @@ class Registry:
     @tuning.setter
     def tuning(self, value: tuning.TuningCache) -> None:
         self._tuning = value
+        self.clear_caches()
+
+    def use_models(self, models: Union[str, Path, None]) -> None:
+        """Rank this registry's kernels with the learned models of a folder (<backend>_<arch>_<task>.json, as
+        bench/sweeps/train.py --out writes them) instead of the shipped ones, for the tasks it has a file for;
+        None: the shipped ones again. Its files for this backend and arch are read now: InvalidInputError names a
+        folder or a file that cannot be used."""
+        self.models = check_models(models, self.backend, self.arch)
+        self.ranked = selection.learned if self.models is None else functools.partial(selection.learned,
+                                                                                       models=self.models)
         self.clear_caches()
 
     def clear_caches(self) -> None:
@@ -183,7 +198,7 @@ class Registry:
         chosen = self._selections.get(key) if named else None  # a function's ranking may change: not cached
         if chosen is not None:
             return chosen
-        rank = selection.learned if ranker == "auto" else selection.RANKERS[ranker] if named else ranker
+        rank = (self.ranked if ranker in ("auto", "learned") else selection.RANKERS[ranker]) if named else ranker
         chosen = self._first_that_runs(problem, operands, rank) if named and not (
             ranker == "auto" and self.tuning.records()) else None
         if chosen is None:
@@ -254,7 +269,7 @@ class Registry:
         """Per task of the bundle's kernels: the learned model that ranks them now (file, version, the kernels it
         covers but never saw) and the one the bundle recorded when it was built (manifest "selection_models";
         None for a bundle built before bundles recorded it)."""
-        now = bundle.selection_models([k.key for k in self.kernels])
+        now = bundle.selection_models([k.key for k in self.kernels], self.models)
         recorded = self.manifest.get("selection_models")
         return {task: {"now": model, "built_with": None if recorded is None else recorded.get(task)}
                 for task, model in now.items()}
@@ -274,7 +289,7 @@ class Registry:
                                     f"cupy arrays, not {type(operands.out).__name__}")
         saved = arrays.snapshot(operands.out) if keep else None
         times = {}
-        for kern in selection.learned(problem, fits)[:max(1, top)]:
+        for kern in self.ranked(problem, fits)[:max(1, top)]:
             args = bind(self, problem, kern, operands, stream=stream, num_threads=num_threads, **scalars)
 
             def launch(kern=kern, args=args):
@@ -304,7 +319,7 @@ class Registry:
         if chosen is not None:
             return chosen
         if not self.autotune and not self.tuning.records():  # the ranking alone decides
-            chosen = self._first_that_runs(problem, operands, selection.learned)
+            chosen = self._first_that_runs(problem, operands, self.ranked)
             if chosen is not None:
                 self._selections.put(key, chosen)
                 return chosen
@@ -314,8 +329,8 @@ class Registry:
             if not scalars.get("beta", 0) or arrays.copyable(operands.out):
                 return self._tune(problem, operands, fits, top=TUNE_TOP, stream=stream, num_threads=num_threads,
                                   **scalars)  # recorded: the next call finds the record
-            return selection.learned(problem, fits)[0]  # not cached: a later call may be able to tune
-        chosen = chosen or selection.learned(problem, fits)[0]
+            return self.ranked(problem, fits)[0]  # not cached: a later call may be able to tune
+        chosen = chosen or self.ranked(problem, fits)[0]
         self._selections.put(key, chosen)
         return chosen
 
@@ -490,10 +505,12 @@ def _no_kernel_message(problem, explained) -> str:
 
 
 def load(bundle_dir: Union[str, Path], *, autotune: bool = False,
-         tuning_cache: Optional[tuning.TuningCache] = None, jit: Union[bool, dict] = False) -> Registry:
+         tuning_cache: Optional[tuning.TuningCache] = None, jit: Union[bool, dict] = False,
+         models: Union[str, Path, None] = None) -> Registry:
     """Load a bundle; autotune: see Registry; tuning_cache: where tuning records live (default:
     tuning.default_path()); jit: True (or a dict of tiledispatch.build options) builds the kernels a problem or a
-    kernel name needs that the bundle lacks (tiledispatch.generator.jit), off by default. Checked in this order
+    kernel name needs that the bundle lacks (tiledispatch.generator.jit), off by default; models: a folder of learned
+    ranking models to use instead of the shipped ones (Registry.use_models). Checked in this order
     (README, "Trust model"): the manifest's structure, then per kernel: its path confined to the bundle, its bytes read once, their sha256 and their static embedded
     key, and only then dlopen of a sealed copy of those bytes, its ABI version and its td_kernel_key()."""
     manifest = bundle.read_manifest(bundle_dir)
@@ -509,8 +526,27 @@ def load(bundle_dir: Union[str, Path], *, autotune: bool = False,
         raise BundleError(f"{bundle_dir}: the bundle has no kernels")
     registry = Registry(kernels, manifest["backend"], manifest["arch"], manifest, autotune=autotune,
                         tuning_cache=tuning_cache)
+    registry.use_models(models)
     registry.jit = on_demand(jit)
     return registry
+
+
+def check_models(models, backend: str, arch: str) -> Optional[Path]:
+    """use_models' folder, resolved, with each of its model files for this backend and arch read: None for
+    None; InvalidInputError naming the folder or the file that cannot be used."""
+    if models is None:
+        return None
+    folder = Path(models).resolve()
+    if not folder.is_dir():
+        raise InvalidInputError(f"models: {models} is not a folder of model files")
+    for task in learned.TASKS:
+        path = folder / f"{backend}_{arch}_{task}.json"
+        if path.exists():
+            try:
+                learned.model_for(backend, arch, task, folder)
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise InvalidInputError(f"models: {path} cannot be used: {e}") from None
+    return folder
 
 
 def on_demand(option):

@@ -156,15 +156,16 @@ def gemm_view(problem, key) -> tuple[int, int, int, int]:
     return backends.family_of(key).gemm_view(problem, key)
 
 
-def learned(problem, kernels) -> list:
-    """The shipped model's order where one covers the kernels, else analytic. Kernels outside the model's domain
+def learned(problem, kernels, models=None) -> list:
+    """The learned model's order where one covers the kernels, else analytic. Kernels outside the model's domain
     (its applies_to, e.g. the low-alignment fallbacks it was never trained on: DESIGN.md invariant 10) rank after
-    the ones it covers, in analytic order; with none covered, analytic orders all."""
+    the ones it covers, in analytic order; with none covered, analytic orders all. models: a folder of model files
+    used instead of the shipped ones (learned.model_path), None for the shipped ones."""
     from . import learned as learned_models
 
     kernels = list(kernels)
-    covered, rest = learned_models.split(problem, kernels)
-    ranked = learned_models.rank(problem, covered, covered=True) if covered else None
+    covered, rest = learned_models.split(problem, kernels, models)
+    ranked = learned_models.rank(problem, covered, covered=True, models=models) if covered else None
     return ranked + analytic(problem, rest) if ranked is not None else analytic(problem, kernels)
 
 

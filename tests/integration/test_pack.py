@@ -524,7 +524,7 @@ def test_a_shipped_model_ranks_where_the_runtime_has_none(bundles, cache, tmp_pa
     from tiledispatch import learned
 
     monkeypatch.setattr(learned, "_PACK_MODELS", {})
-    learned.model_for.cache_clear()
+    learned.clear_models()
     if learned.model_for("cpu", NATIVE, "gemm") is not None:
         pytest.skip(f"the runtime ships its own cpu/{NATIVE} model")
     reg = td.load(bundles["native"])
@@ -548,7 +548,7 @@ def test_a_shipped_model_ranks_where_the_runtime_has_none(bundles, cache, tmp_pa
         assert learned.model_for("cpu", NATIVE, "gemm") is not None
         assert packed.select(PROBLEM, ranker="learned").name == by_tile[prefer] != analytic_first
     finally:
-        learned.model_for.cache_clear()
+        learned.clear_models()
     with pytest.raises(td.BundleError, match="name it cpu_"):
         misnamed = tmp_path / "model.json"
         misnamed.write_text(json.dumps(model))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -221,7 +222,7 @@ def test_train_and_rank_conv_with_the_model(tiny_bundle, tmp_path, monkeypatch):
     assert "| group_kfold_by_shape | learned |" in written[0].with_suffix(".md").read_text()
 
     monkeypatch.setattr(learned, "MODELS_DIR", written[0].parent)
-    learned.model_for.cache_clear()
+    learned.clear_models()
     try:
         reg = __import__("tiledispatch").load(tiny_bundle)
         model = learned.model_for("cpu", ARCH, "conv_bwd_data")
@@ -259,7 +260,66 @@ def test_train_and_rank_conv_with_the_model(tiny_bundle, tmp_path, monkeypatch):
         assert explain["tuned"]["kernel"] in {k.name for k in fits}
         assert all(row["measured_ms"] > 0 for row in explain["top"])
     finally:
-        learned.model_for.cache_clear()
+        learned.clear_models()
+
+
+def test_a_registry_ranks_with_the_models_it_was_loaded_with(tiny_bundle, tmp_path):
+    """load(models=DIR): that folder's model ranks the registry's kernels (select, the public call's pick, select
+    --explain, info), where the shipped models and other registries stay as they were; a folder or file that cannot
+    be used is refused when loading."""
+    import tiledispatch as td
+    from tiledispatch import cli
+    from tiledispatch.errors import InvalidInputError
+
+    default = td.load(tiny_bundle)
+    p = ConvProblem("bwd_data", 2, 1, 16, 24, (7, 7), (3, 3), (1, 1), (1, 1), (1, 1), (1, 1), "fp32", "fp32", "fp32")
+    fits = default.candidates(p)
+    assert len(fits) >= 2 and default.select(p) is selection.analytic(p, fits)[0]  # no cpu model ships
+    # a one-split model that prefers the kernel the analytic ranking puts last: a split on a feature where that
+    # kernel's value is above every other candidate's sends it alone to the leaf of value 1
+    worst = selection.analytic(p, fits)[-1]
+    x = learned.features(p, [k.key for k in fits])
+    i = fits.index(worst)
+    column = next(c for c in range(x.shape[1]) if all(x[i, c] > x[j, c] for j in range(len(fits)) if j != i))
+    below = max(x[j, column] for j in range(len(fits)) if j != i)
+    key = fits[0].key
+    model = {"schema": learned.MODEL_SCHEMA, "features": list(learned.CONV_FEATURES),
+             "applies_to": {"backend": "cpu", "arch": ARCH, "op": "conv", "direction": "bwd_data",
+                            "dtypes": ["fp32"], "layouts": [key.signature.layout]},
+             "target": "ratio: higher is better", "higher_is_better": True, "trained": {"date": "test"},
+             "trees": {"feature": [column, 0, 0], "threshold": [float(below + x[i, column]) / 2, math.inf, math.inf],
+                       "left": [1, 1, 2], "right": [2, 1, 2], "value": [0.0, 0.0, 1.0], "roots": [0], "depth": 1}}
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / f"cpu_{ARCH}_conv_bwd_data.json").write_text(json.dumps(model))
+
+    reg = td.load(tiny_bundle, models=models)
+    assert reg.select(p).name == reg.select(p, "learned").name == worst.name != default.select(p).name
+    dx = np.zeros(p.shapes()["x"], np.float32)
+    rng = np.random.default_rng(0)
+    reg.conv_bwd_data(rng.standard_normal(p.shapes()["y"], dtype=np.float32),
+                      rng.standard_normal(p.shapes()["w"], dtype=np.float32), dx, stride=p.stride, padding=p.pad_lo)
+    from tiledispatch.plan import last_launcher
+
+    assert last_launcher().plan.kernel.name == worst.name
+    assert reg.selection_models()["conv_bwd_data"]["now"]["model"] == str(models.resolve() / f"cpu_{ARCH}_conv_bwd_data.json")
+    assert default.selection_models()["conv_bwd_data"]["now"] is None
+    assert learned.model_for("cpu", ARCH, "conv_bwd_data") is None  # the shipped models are untouched
+    reg.use_models(None)
+    assert reg.select(p).name == default.select(p).name
+
+    args = ["select", str(tiny_bundle), "--models", str(models), "conv", "--direction", "bwd_data", "--dtype", "fp32",
+            "--n", "2", "--c", "16", "--k", "24", "--in", "7", "7", "--filter", "3", "3", "--padding", "1", "1",
+            "--explain"]
+    out = _cli(args)
+    assert out["selected"] == worst.name and out["explain"]["top"][0]["kernel"] == worst.name
+
+    with pytest.raises(InvalidInputError, match="not a folder"):
+        td.load(tiny_bundle, models=tmp_path / "missing")
+    (models / f"cpu_{ARCH}_conv_bwd_data.json").write_text("{not json")
+    with pytest.raises(InvalidInputError, match=f"cpu_{ARCH}_conv_bwd_data.json cannot be used"):
+        td.load(tiny_bundle, models=models)
+    assert cli.main(["info", str(tiny_bundle), "--models", str(models)]) != 0
 
 
 def _cli(args) -> dict:
@@ -330,7 +390,7 @@ def test_train_a_gemm_model_on_the_shipped_features(tiny_bundle, tmp_path, monke
     assert scored["version"] == learned.Model(data).version
     assert f"against {written[0].name}" in again[0].with_suffix(".md").read_text()
     monkeypatch.setattr(learned, "MODELS_DIR", written[0].parent)
-    learned.model_for.cache_clear()
+    learned.clear_models()
     try:
         reg = __import__("tiledispatch").load(tiny_bundle)
         p = problems[0]["problem"]
@@ -343,7 +403,7 @@ def test_train_a_gemm_model_on_the_shipped_features(tiny_bundle, tmp_path, monke
         best = min(range(len(fits)), key=lambda i: (scores[i], fits[i].name))
         assert selection.learned(p, fits)[0] is fits[best]
     finally:
-        learned.model_for.cache_clear()
+        learned.clear_models()
 
 
 def test_identity_set_has_every_tile_of_the_set_with_identity_epilogues(tmp_path):

@@ -179,14 +179,44 @@ def test_learned_falls_back_to_analytic_where_no_model_applies():
     assert selection.learned(fp32_problem, fp32_kernels) == selection.analytic(fp32_problem, fp32_kernels)
 
 
-def test_model_with_other_features_is_refused(tmp_path):
+def test_a_model_reads_the_features_it_names():
+    """A model names its features in its own column order (one trained before a feature was added names fewer):
+    the runtime evaluates its trees on those columns; a feature the runtime does not compute, or another schema,
+    is refused."""
     data = json.loads(learned.model_path("cutlass", "sm90a", "gemm").read_text())
-    data["features"] = data["features"][::-1]
-    with pytest.raises(ValueError, match="features differ"):
-        learned.Model(data, "reordered")
+    shipped = learned.Model(data, "shipped")
+    names = data["features"]
+    reordered = json.loads(json.dumps(data))
+    reordered["features"] = names[::-1]
+    reordered["trees"]["feature"] = [len(names) - 1 - f for f in data["trees"]["feature"]]
+    kernels = sweep_kernels()
+    keys, kernel_names = [k.key for k in kernels], tuple(k.name for k in kernels)
+    for m, n, k in ((1, 4096, 14336), (8192, 256, 64), (777, 1234, 4320)):
+        problem = fp16(m, n, k)
+        np.testing.assert_array_equal(learned.Model(reordered, "reordered").predict(problem, keys, kernel_names),
+                                      shipped.predict(problem, keys, kernel_names))
+    data["features"] = names[:-1] + ["not_a_feature"]
+    with pytest.raises(ValueError, match="does not compute.*not_a_feature"):
+        learned.Model(data, "unknown")
     data["schema"] = 99
     with pytest.raises(ValueError, match="model schema 99"):
         learned.Model(data, "future")
+
+
+@pytest.mark.parametrize("c, k, groups, c_align, k_align", [
+    (64, 64, 1, 4, 4), (3, 64, 1, 0, 4), (12, 36, 1, 2, 2), (96, 96, 96, 0, 0), (256, 512, 32, 3, 4),
+    (48, 40, 1, 4, 3)])
+def test_conv_alignment_columns(c, k, groups, c_align, k_align):
+    """log2 of the largest power of two, up to 16, that divides C/G and K/G: the same for every kernel."""
+    from tiledispatch.generator import kernelset
+
+    keys = [e.key for e in kernelset.load(["conv_fp16_all_essential"], "cutlass", "sm90a")
+            if e.key.signature.op == "conv" and e.key.signature.direction == "fwd" and e.key.signature.spatial_dims == 2]
+    x = learned.features(ConvProblem("fwd", 8, groups, c, k, (14, 14), (3, 3), (1, 1), (1, 1), (1, 1), (1, 1), "fp16",
+                                     "fp16", "fp16"), keys)
+    names = learned.CONV_FEATURES
+    assert set(x[:, names.index("log2_c_align")]) == {c_align}
+    assert set(x[:, names.index("log2_k_align")]) == {k_align}
 
 
 # -- tuning ---------------------------------------------------------------------------------------

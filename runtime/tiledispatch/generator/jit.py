@@ -46,7 +46,7 @@ class OnDemand:
             log.warning("no legal %s/%s kernel computes %s: nothing to build on demand", registry.backend,
                         registry.arch, problem)
             return 0
-        key = selection.learned(problem, [_Candidate(k) for k in keys])[0].key
+        key = registry.ranked(problem, [_Candidate(k) for k in keys])[0].key
         log.info("no kernel of the bundle runs %s; building %s on demand (jit)", problem, key.name)
         self._add(registry, key)
         return 1
