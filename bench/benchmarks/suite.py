@@ -5,6 +5,7 @@
     python bench/benchmarks/suite.py report DIR [DIR ...]      # summary and PNG over every shard's results
     python bench/benchmarks/suite.py compare BEFORE_DIR AFTER_DIR [--out FILE_STEM]   # two runs, point by point
     python bench/benchmarks/suite.py conv BUNDLE --versus OLD_BUNDLE --out DIR; suite.py compare DIR   # interleaved
+    python bench/benchmarks/suite.py conv BUNDLE --versus-models OLD_MODELS_DIR --out DIR   # the same bundle, other models
 
 Ours: reg.conv_fwd / conv_bwd_data / conv_bwd_weight (x, w, out=..., groups=...) and reg.gemm(a, b, out=d) on one
 registry of the bundles' kernels, no tuning records: every host cost of a user's repeated call is in the time.
@@ -68,10 +69,12 @@ REPEATS = 7
 
 
 # ---- the registry and timing ----------------------------------------------------------------------------------
-def registry_of(dirs: list[str]) -> Registry:
-    """One registry of the bundles' kernels (first bundle's copy of a kernel in several), no tuning records."""
+def registry_of(dirs: list[str], models=None) -> Registry:
+    """One registry of the bundles' kernels (first bundle's copy of a kernel in several), no tuning records; models:
+    a folder of learned models to rank with instead of the shipped ones (Registry.use_models)."""
     regs = [td.load(d, tuning_cache=TuningCache(None)) for d in dirs]
     if len(regs) == 1:
+        regs[0].use_models(models)
         return regs[0]
     kernels, seen = [], set()
     for reg in regs:
@@ -79,7 +82,9 @@ def registry_of(dirs: list[str]) -> Registry:
             if k.name not in seen:
                 seen.add(k.name)
                 kernels.append(k)
-    return Registry(kernels, regs[0].backend, regs[0].arch, regs[0].manifest, tuning_cache=TuningCache(None))
+    reg = Registry(kernels, regs[0].backend, regs[0].arch, regs[0].manifest, tuning_cache=TuningCache(None))
+    reg.use_models(models)
+    return reg
 
 
 def median_ms(fn, device: str) -> float:
@@ -311,7 +316,9 @@ def points(suite_name: str, suite: dict, a) -> list[tuple]:
 def run_points(a, suite_name: str, selection: list[tuple], out_jsonl: Path, peer_only: bool, done: set) -> None:
     torch.backends.cudnn.benchmark = True
     reg = None if peer_only else registry_of(a.bundles)
-    versus = registry_of(a.versus) if a.versus and not peer_only else None
+    versus = None
+    if (a.versus or a.versus_models) and not peer_only:  # the before: other bundles, or ours ranked by other models
+        versus = registry_of(a.versus or a.bundles, models=a.versus_models)
     gen = torch.Generator(device=a.device).manual_seed(20)
     start = time.time()
     with out_jsonl.open("a") as f:
@@ -576,6 +583,9 @@ def main(argv=None) -> int:
                     help="the other side of a before / after (e.g. the bundle built before a change): its public "
                          "call and selected kernel timed at each point right beside ours, in the row's 'versus'; "
                          "`compare DIR` reads them as the before")
+    ap.add_argument("--versus-models", metavar="DIR",
+                    help="the same, with the before ranked by the learned models in DIR (e.g. the ones a retrain "
+                         "replaces) on our bundles (or the --versus ones)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--api", choices=("registry", "torch"), default="registry",
                     help="conv: ours through reg.conv_* (default) or the tiledispatch.torch operators a patched model "
@@ -637,6 +647,7 @@ def main(argv=None) -> int:
     bundles = {b: {k: v for k, v in json.loads((Path(b) / "manifest.json").read_text()).items() if k != "kernels"}
                for b in a.bundles}  # what built them (toolchain, sets), not the kernel list
     info = {"suite": a.suite, "machine": machine(a.device), "device": a.device, "api": a.api, "versus": a.versus,
+            "versus_models": a.versus_models,
             "strided_bwd_data": os.environ.get("TD_STRIDED_BWD_DATA", "auto"), "bundles": bundles,
             "shard": list(a.shard), "points": len(selection), "seconds": round(time.time() - start, 1),
             "timing": f"median of {REPEATS} batches of back-to-back calls (about {TARGET_MS} ms a batch), CUDA events; "

@@ -429,3 +429,33 @@ def test_runner_versus_times_a_second_bundle_beside_ours(smoke_bundle, tmp_path)
     assert result["before"].endswith("(--versus)") and result["groups"]["all"]["points"] == len(timed)
     assert result["groups"]["all"]["picks_changed"] == sum(v["kernel"] != r["kernel"] for v, r in zip(versus, rows)
                                                            if v["status"] == "ok")
+
+
+def test_runner_versus_models_ranks_the_before_with_other_models(smoke_bundle, tmp_path):
+    """--versus-models DIR: our bundle again as the before, ranked by DIR's model (here one split preferring the
+    kernels of the larger k tile, the packed ones of the smoke set), where no cpu model ships and the analytic cost
+    decides ours."""
+    import tiledispatch as td
+    from tiledispatch import learned
+
+    fwd = [k.key for k in td.load(smoke_bundle).kernels if k.key.signature.direction == "fwd"]
+    model = {"schema": learned.MODEL_SCHEMA, "features": list(learned.CONV_FEATURES),
+             "applies_to": {"backend": "cpu", "arch": fwd[0].arch, "op": "conv", "direction": "fwd",
+                            "dtypes": sorted({k.signature.dtype_a for k in fwd}),
+                            "layouts": sorted({k.signature.layout for k in fwd})},
+             "target": "ratio: higher is better", "higher_is_better": True, "trained": {"date": "test"},
+             "trees": {"feature": [learned.CONV_FEATURES.index("tile_k"), 0, 0],
+                       "threshold": [160.0, float("inf"), float("inf")], "left": [1, 1, 2], "right": [2, 1, 2],
+                       "value": [0.0, 0.0, 1.0], "roots": [0], "depth": 1}}
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / f"cpu_{fwd[0].arch}_conv_fwd.json").write_text(json.dumps(model))
+    only = "^(" + "|".join(map(re.escape, smallest_layers())) + ")$"
+    args = ["conv", str(smoke_bundle), "--versus-models", str(tmp_path / "models"), "--out", str(tmp_path / "r"),
+            "--device", "cpu", "--batch", "1", "--only", only, "--directions", "fwd"]
+    assert suite_runner.main(args) == 0
+    result = json.loads((tmp_path / "r" / "conv.json").read_text())
+    rows = result["rows"]
+    assert rows and all(r["status"] == "ok" and r["versus"]["status"] == "ok" for r in rows)
+    assert result["versus_models"] == str(tmp_path / "models")
+    changed = [r for r in rows if r["versus"]["kernel"] != r["kernel"]]
+    assert changed and all("_ppacked_" in r["versus"]["kernel"] and "_pdirect_" in r["kernel"] for r in changed)
