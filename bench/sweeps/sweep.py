@@ -12,7 +12,10 @@ the conv defaults stride 1, dilation 1, padding 0; a conv entry's "directions" s
 (problem, kernel) is timed as the public path runs it: the kernel's prepared call (Registry.plan, Plan.prepare)
 launched back to back on the same operands, median of --repeats batches of about --batch-ms each (on a GPU
 between CUDA events on the launch stream). A kernel whose td_can_run refuses the problem is recorded with its
-reason, so a rerun asks it again no more than a timed one.
+reason, so a rerun asks it again no more than a timed one. A disturbed measurement (disturbed(): batches more than
+SPREAD_LIMIT apart, or far shorter than asked for because the one-launch probe that sizes them was slowed by a
+host stall) is taken again once on the spot; --retime-disturbed retimes the stored pairs whose every line of the
+current binary is disturbed, and training prefers a pair's undisturbed lines.
 
 Resumable: the results are appended, one JSON line per (problem, kernel), to a gzip store
 (OUT/<op>[_<direction>]_<backend>_<arch>.jsonl.gz; each append is a complete gzip member, and a member cut
@@ -335,6 +338,28 @@ def _timer(device: str, stream):
     return timed
 
 
+# a measurement whose batches disagree by more than this was disturbed (a host stall between launches, a clock dip):
+# on the 2026-11-29 H200 sweeps 4-6% of the lines, up to 6x on a 25 us kernel (a three-launch batch, stalled)
+SPREAD_LIMIT = 1.3
+# a batch shorter than this share of the asked length was sized by a probe launch that a stall slowed down
+SHORT_BATCH = 0.25
+DEFAULT_BATCH_MS = {"cpu": 5.0, "cuda": 1.0}
+
+
+def disturbed(line: dict) -> bool:
+    """Whether a stored timing line (or a fresh record) was disturbed: its batches more than SPREAD_LIMIT apart, or
+    far shorter than the batch length asked for (lines from before batch_ms was recorded: the GPU default)."""
+    samples = line.get("samples_ms") or ([line["ms"]] if line.get("ms") is not None else [])
+    if not samples:
+        return False
+    fastest = min(samples)
+    if max(samples) > SPREAD_LIMIT * fastest:
+        return True
+    calls = line.get("calls")
+    asked = line.get("batch_ms", DEFAULT_BATCH_MS["cuda"])
+    return calls is not None and calls < 10000 and calls * fastest < SHORT_BATCH * asked
+
+
 def time_problem(bundles: tuple[str, ...], problem_dict: dict, kernel_names: list[str], settings: dict) -> dict:
     """Time the named kernels on one problem (a Dask task). {"machine": ..., "records": [...]}: one record per
     kernel, with its median and raw batch times, or the reason it cannot run the problem."""
@@ -358,13 +383,23 @@ def time_problem(bundles: tuple[str, ...], problem_dict: dict, kernel_names: lis
             plan = reg.plan(problem, kernel=name, stream=stream)
             plan.prepare(ops)
             plan.launch()  # warm-up: first-touch of the operands, instruction caches, lazy module loading
-            probe = timed(plan.launch, 1)
-            calls = max(1, min(10000, int(settings["batch_ms"] / max(probe, 1e-4))))
-            samples = [timed(plan.launch, calls) for _ in range(settings["repeats"])]
+            # the fastest of three single launches sizes the batches (one launch slowed by a host stall would
+            # make them a few launches long, each batch then timing the stall)
+            probe = min(timed(plan.launch, 1) for _ in range(3))
+            batch_ms = settings["batch_ms"]
+            timing = {"batch_ms": batch_ms}
+            for attempt in range(2):  # a disturbed measurement is taken again once, batches sized from its fastest
+                calls = max(1, min(10000, int(batch_ms / max(probe, 1e-4))))
+                samples = [timed(plan.launch, calls) for _ in range(settings["repeats"])]
+                timing.update(ms=statistics.median(samples), samples_ms=samples, calls=calls)
+                if not disturbed(timing):
+                    break
+                probe = min(samples)
+                timing["retaken"] = True
         except TileDispatchError as e:
             records.append({**record, "ms": None, "refused": f"{type(e).__name__}: {e}"})
             continue
-        records.append({**record, "ms": statistics.median(samples), "samples_ms": samples, "calls": calls})
+        records.append({**record, **timing})
     return {"machine": machine(reg.device), "records": records}
 
 
@@ -442,9 +477,11 @@ def git_describe() -> str:
 
 def sweep(bundles: list[str], op: str, problems: list[dict], *, direction: Optional[str] = None,
           out_dir: Path = RESULTS, scheduler: Optional[str] = None, workers: Optional[int] = None,
-          batch_ms: float = 1.0, repeats: int = 5, budget_s: Optional[float] = None, log=print) -> dict:
-    """Time every kernel of the bundles for the op / direction on every problem the store lacks; returns
-    {"store", "timed", "skipped", "failed" (problems whose task raised: nothing stored), "problems"}."""
+          batch_ms: float = 1.0, repeats: int = 5, budget_s: Optional[float] = None, retime_disturbed: bool = False,
+          log=print) -> dict:
+    """Time every kernel of the bundles for the op / direction on every problem the store lacks (retime_disturbed:
+    and the pairs whose every stored line of the current binary is disturbed()); returns {"store", "timed",
+    "skipped", "failed" (problems whose task raised: nothing stored), "problems"}."""
     from dask.distributed import Client, as_completed
 
     facts = bundle_facts(bundles)
@@ -454,7 +491,11 @@ def sweep(bundles: list[str], op: str, problems: list[dict], *, direction: Optio
     store = store_path(out_dir, op, direction, facts["backend"], facts["arch"])
     binaries = facts["binaries"]
     stored = read_store(store)[1]
-    done = {(r["problem_id"], r["kernel"]) for r in stored if r.get("binary") == binaries.get(r["kernel"])}
+    current = [r for r in stored if r.get("binary") == binaries.get(r["kernel"])]
+    done = {(r["problem_id"], r["kernel"]) for r in current if not (retime_disturbed and disturbed(r))}
+    if retime_disturbed:
+        shaky = {(r["problem_id"], r["kernel"]) for r in current} - done
+        log(f"{len(shaky)} stored pair(s) with only disturbed measurements of the current binary, timed again")
     problems = problems + stored_problems(stored, op, exclude={problem_id(e["problem"]) for e in problems})
     keys = {n: parse_kernel_name(n) for n in names}
     todo, skipped = [], 0
@@ -465,8 +506,9 @@ def sweep(bundles: list[str], op: str, problems: list[dict], *, direction: Optio
         skipped += len(serving) - len(missing)
         if missing:
             todo.append((entry, missing))
+    timed_now = {(r["problem_id"], r["kernel"]) for r in current}
     rebuilt = sorted({r["kernel"] for r in stored
-                      if r["kernel"] in keys and (r["problem_id"], r["kernel"]) not in done})
+                      if r["kernel"] in keys and (r["problem_id"], r["kernel"]) not in timed_now})
     if rebuilt:  # stored lines of another build (or from before the stamps): those kernels are timed again
         log(f"{store}: {len(rebuilt)} kernel(s) with times of another binary, timed again: "
             + ", ".join(rebuilt[:5]) + (" ..." if len(rebuilt) > 5 else ""))
@@ -479,7 +521,8 @@ def sweep(bundles: list[str], op: str, problems: list[dict], *, direction: Optio
                "backend": facts["backend"], "arch": facts["arch"], "op": op, "direction": direction,
                "timing": f"median of {repeats} batches of back-to-back launches of the prepared call (Plan) on the "
                          f"same operands, about {batch_ms} ms each" + (", CUDA events on the launch stream"
-                                                                       if facts["backend"] != "cpu" else ""),
+                                                                       if facts["backend"] != "cpu" else "")
+                         + f"; taken again once where disturbed (batches over {SPREAD_LIMIT}x apart or short)",
                "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     device = "cpu" if facts["backend"] == "cpu" else "cuda"
     cluster = None if scheduler else local_cluster(device, workers)
@@ -538,6 +581,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-ms", type=float, default=None, help="length of one timed batch (gpu 1, cpu 5)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--budget-s", type=float, help="stop collecting after this long (a rerun goes on)")
+    ap.add_argument("--retime-disturbed", action="store_true",
+                    help="also time again the stored pairs whose every line of the current binary is disturbed")
     a = ap.parse_args(argv)
     *bundles, op = a.bundle
     if op not in OPS or not bundles:
@@ -552,9 +597,10 @@ def main(argv=None) -> int:
     backend = facts["backend"]
     if not problems and not store_path(Path(a.out), op, a.direction, backend, facts["arch"]).exists():
         ap.error("no problems: give --suite FILE and / or --random N (or rerun on a store, which sweeps its own)")
-    batch_ms = a.batch_ms or (5.0 if backend == "cpu" else 1.0)
+    batch_ms = a.batch_ms or DEFAULT_BATCH_MS["cpu" if backend == "cpu" else "cuda"]
     result = sweep(bundles, op, problems, direction=a.direction, out_dir=Path(a.out), scheduler=a.scheduler,
-                   workers=a.workers, batch_ms=batch_ms, repeats=a.repeats, budget_s=a.budget_s)
+                   workers=a.workers, batch_ms=batch_ms, repeats=a.repeats, budget_s=a.budget_s,
+                   retime_disturbed=a.retime_disturbed)
     print(json.dumps(result))
     return 1 if result["failed"] else 0
 

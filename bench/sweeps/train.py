@@ -38,7 +38,7 @@ REPO = BENCH.parent
 sys.path.insert(0, str(REPO / "runtime"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sweep import problem_from_dict, read_store  # noqa: E402
+from sweep import disturbed, problem_from_dict, read_store  # noqa: E402
 from tiledispatch import learned, selection  # noqa: E402
 from tiledispatch.spec.key import parse_kernel_name  # noqa: E402
 
@@ -66,7 +66,8 @@ def load_problems(paths: list[str]) -> dict:
     """{(backend, arch, task): {"problems": [...], "machines": {...}, "stores": [...]}}; a problem's kernels are
     those timed on it (refusals left out); a pair's times are those of the kernel binary its last stored line names
     (a rebuilt kernel's new times replace the old ones, and a refusal by the new binary drops the pair), and a pair
-    timed in several stores or runs of that binary gets their geometric mean."""
+    timed in several stores or runs of that binary gets the geometric mean of its undisturbed ones (sweep.disturbed;
+    of all of them where every one was disturbed)."""
     found: dict = defaultdict(lambda: {"problems": {}, "machines": {}, "stores": [], "sources": []})
     for path in paths:
         metas, rows = read_store(Path(path))
@@ -91,12 +92,13 @@ def load_problems(paths: list[str]) -> dict:
                 last = p["times"][row["kernel"]] = (binary, [])
             if row.get("ms") is not None:
                 p["groups"].update(row.get("groups") or [row.get("group", "?")])
-                last[1].append(row["ms"])
+                last[1].append((row["ms"], disturbed(row)))
     out = {}
     for target, entry in found.items():
         problems = []
         for pid, p in sorted(entry["problems"].items()):
-            times_of = {n: ms for n, (_, ms) in p["times"].items() if ms}
+            times_of = {n: [ms for ms, shaky in runs if not shaky] or [ms for ms, _ in runs]
+                        for n, (_, runs) in p["times"].items() if runs}
             names = sorted(times_of)
             if len(names) < 2:  # nothing to choose between
                 continue

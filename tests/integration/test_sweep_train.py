@@ -164,11 +164,38 @@ def test_sharded_sweep_resumes_and_matches_one_worker(tiny_bundle, tmp_path):
     assert redone == {(pid, k) for pid, k in pairs(store) if k == rebuilt or pid == rows[0]["problem_id"]}
     assert retimed["timed"] == len(redone) and retimed["skipped"] == len(rows) - len(redone)
 
+    # a stored measurement whose batches disagree counts as done, unless retime_disturbed asks for it again (the
+    # other lines made steady here: this machine's own timings may be disturbed too)
+    first = timed[0]
+    shaky = tmp_path / "shaky" / store.name
+    sweep.append_store(shaky, [{"meta": m} for m in metas] +
+                       [{**r, "samples_ms": [r["ms"], 3 * r["ms"]]} if r is first else
+                        {**r, "samples_ms": [r["ms"]] * 2, "calls": 10000} if r["ms"] is not None else r
+                        for r in rows])
+    assert sweep.sweep([str(tiny_bundle)], "conv", [], out_dir=tmp_path / "shaky", workers=1, **kw)["timed"] == 0
+    again = sweep.sweep([str(tiny_bundle)], "conv", [], out_dir=tmp_path / "shaky", workers=1,
+                        retime_disturbed=True, **kw)
+    added = sweep.read_store(shaky)[1][len(rows):]
+    assert again["timed"] == 1 and [(r["problem_id"], r["kernel"]) for r in added] == [(first["problem_id"],
+                                                                                        first["kernel"])]
+    assert added[0]["batch_ms"] == 0.2 and added[0]["calls"] >= 1
+
+
+@pytest.mark.parametrize("line, shaky", [
+    ({"ms": 1.0, "samples_ms": [1.0, 1.1, 1.2], "calls": 1000, "batch_ms": 1.0}, False),
+    ({"ms": 1.0, "samples_ms": [1.0, 1.5], "calls": 1000, "batch_ms": 1.0}, True),  # batches 1.5x apart
+    ({"ms": 0.025, "samples_ms": [0.025] * 3, "calls": 1}, True),  # 1 launch a batch where 1 ms was asked for
+    ({"ms": 0.025, "samples_ms": [0.025] * 3, "calls": 40}, False),
+    ({"ms": 3.0, "samples_ms": [3.0] * 3, "calls": 1}, False),  # a long kernel: one launch is the batch
+    ({"ms": None, "refused": "UnsupportedProblemError: no"}, False)])
+def test_disturbed_measurements(line, shaky):
+    assert sweep.disturbed(line) is shaky
+
 
 def test_training_takes_the_newest_binary_of_each_pair(tmp_path):
     """A pair's times come from the binary its last stored line names: a rebuilt kernel's new times replace the
     old build's, a refusal by the new build drops the pair, and times of one build from several runs are averaged
-    (geometric mean)."""
+    (geometric mean), its disturbed runs left out where it has others."""
     import train
 
     problem = ConvProblem("fwd", 1, 1, 8, 8, (6, 6), (3, 3), (1, 1), (1, 1), (1, 1), (1, 1), "fp32", "fp32", "fp32")
@@ -187,10 +214,16 @@ def test_training_takes_the_newest_binary_of_each_pair(tmp_path):
     sweep.append_store(store, [{"meta": meta}, line(names[0], 1.0), line(names[1], 2.0), line(names[2], 3.0)])
     sweep.append_store(store, [line(names[0], 4.0, "a" * 16), line(names[0], 9.0, "a" * 16),  # rebuilt: 6 ms
                                line(names[1], 8.0), line(names[2], None, "b" * 16)])  # another run; a refusal
+    # a disturbed run of a binary (batches 2.5x apart) is left out where the binary has undisturbed ones
+    sweep.append_store(store, [{**line(names[1], 50.0), "samples_ms": [20.0, 50.0, 55.0]}])
     [entry] = train.load_problems([str(store)]).values()
     [p] = entry["problems"]
     assert p["names"] == names[:2]
     np.testing.assert_allclose(p["times"], [6.0, 4.0])  # sqrt(4 * 9); sqrt(2 * 8)
+    # where every run of the newest binary was disturbed, they are what there is
+    sweep.append_store(store, [{**line(names[0], 10.0, "c" * 16), "samples_ms": [10.0, 30.0]}])
+    [entry] = train.load_problems([str(store)]).values()
+    np.testing.assert_allclose(entry["problems"][0]["times"], [10.0, 4.0])
 
 
 def _train(tiny_bundle, tmp_path, direction, count=24):
