@@ -68,6 +68,15 @@ class Progress:
 PROGRESS = Progress()
 
 
+def build_identity(node) -> str:
+    """A built file's identity: the hash of its inputs' contents, its action (command, flags, toolchain identity)
+    and its name, without paths: the CacheDir's key, and each kernel's build_id in the manifest (the sweep ties its
+    times to it: nvcc's output differs in bytes from one cold build to the next, the inputs do not)."""
+    sigs = [n.get_cachedir_csig() for n in node.children()]
+    sigs += [node.get_contents_sig(), node.name]
+    return SCons.Util.hash_collect(sigs)
+
+
 class KernelCacheDir(SCons.CacheDir.CacheDir):
     """CacheDir keyed on the inputs, the action and the file name, not on the build directory, so a
     fresh build_dir (or a fresh checkout) fetches every unchanged kernel from a warm cache. Entries are
@@ -76,9 +85,7 @@ class KernelCacheDir(SCons.CacheDir.CacheDir):
     def cachepath(self, node):
         if not self.is_enabled():
             return None, None
-        sigs = [n.get_cachedir_csig() for n in node.children()]
-        sigs += [node.get_contents_sig(), node.name]
-        sig = SCons.Util.hash_collect(sigs)
+        sig = build_identity(node)
         subdir = os.path.join(self.path, sig[:self.config["prefix_len"]].upper())
         return subdir, os.path.join(subdir, sig)
 
@@ -244,9 +251,11 @@ def _bundle_action(target, source, env):
     removed = bundle.remove_stale_kernels(bundle_dir, keys)
     if removed:
         print(f"tiledispatch: removed {len(removed)} kernel file(s) no longer in the bundle")
+    # each installed kernel file's source is its compiled library: that build's identity
+    build_ids = {Path(str(node)).stem: build_identity(node.sources[0]) for node in source if node.sources}
     bundle.write_manifest(bundle_dir, keys, backend=env["TD_BACKEND"], arch=env["TD_ARCH"],
                           toolchain=dict(env["TD_TOOLCHAIN_INFO"]), kernel_sets=list(env["TD_SETS"]),
-                          origins=dict(env["TD_ORIGINS"]))
+                          origins=dict(env["TD_ORIGINS"]), build_ids=build_ids)
     return 0
 
 

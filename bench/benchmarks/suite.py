@@ -5,7 +5,7 @@
     python bench/benchmarks/suite.py report DIR [DIR ...]      # summary and PNG over every shard's results
     python bench/benchmarks/suite.py compare BEFORE_DIR AFTER_DIR [--out FILE_STEM]   # two runs, point by point
     python bench/benchmarks/suite.py conv BUNDLE --versus OLD_BUNDLE --out DIR; suite.py compare DIR   # interleaved
-    python bench/benchmarks/suite.py conv BUNDLE --versus-models OLD_MODELS_DIR --out DIR   # the same bundle, other models
+    python bench/benchmarks/suite.py conv BUNDLE --versus-models OLD_MODELS_DIR --out DIR   # same bundle, other models
 
 Ours: reg.conv_fwd / conv_bwd_data / conv_bwd_weight (x, w, out=..., groups=...) and reg.gemm(a, b, out=d) on one
 registry of the bundles' kernels, no tuning records: every host cost of a user's repeated call is in the time.

@@ -20,10 +20,11 @@ current binary is disturbed, and training prefers a pair's undisturbed lines.
 Resumable: the results are appended, one JSON line per (problem, kernel), to a gzip store
 (OUT/<op>[_<direction>]_<backend>_<arch>.jsonl.gz; each append is a complete gzip member, and a member cut
 short by a crash is dropped when read), and a rerun times only the pairs the store lacks. Each line names the
-kernel binary it timed ("binary": the start of the shared object's sha256 in the bundle's manifest), so a
-kernel whose binary changed (its template, its flags, the toolchain) is timed again on the next run, and
-training takes a pair's times from the newest binary stored (lines from before the stamps count as an older
-binary). The problems already in the store are swept besides the suites and random draws, so a new or rebuilt
+kernel build it timed ("binary": the start of the kernel's build_id in the bundle's manifest, the hash of every
+input of its build; the sha256 of its bytes for a bundle that records none: nvcc's bytes differ from one cold
+build to the next), so a kernel whose build changed (its template, its flags, the toolchain) is timed again on
+the next run, and training takes a pair's times from the newest binary stored (lines from before the stamps count
+as an older binary). The problems already in the store are swept besides the suites and random draws, so a new or rebuilt
 kernel is timed on all of them. Sharded through Dask
 distributed: one task per problem, one single-threaded worker process per GPU (a local cluster over the
 visible GPUs by default; --workers N on the cpu backend), or the workers of a running cluster
@@ -63,7 +64,7 @@ from tiledispatch.spec.key import Epilogue, parse_kernel_name  # noqa: E402
 OPS = ("gemm", "conv")
 RESULTS = BENCH / "results" / "sweeps"
 MAX_FLOP = 2.2e12  # random problems are capped so that no single one dominates a run
-BINARY_DIGITS = 16  # of a kernel's sha256 in each stored line: enough to tell its builds apart
+BINARY_DIGITS = 16  # of a kernel's build_id (or sha256) in each stored line: enough to tell its builds apart
 
 
 # -- problems ---------------------------------------------------------------------------------------
@@ -443,9 +444,10 @@ def local_cluster(device: str, workers: Optional[int]):
 
 
 def bundle_facts(bundles: list[str]) -> dict:
-    """backend, arch, kernels (name, op, direction), binaries (name: sha256 prefix of the kernel's shared object;
-    the first bundle's where several hold a name, as the sweep's registry loads it) and the toolchain of the
-    bundles, from their manifests."""
+    """backend, arch, kernels (name, op, direction), binaries (name: the prefix of the kernel's build_id, the hash
+    of the inputs that built it, or for a bundle that records none the sha256 of its shared object; the first
+    bundle's where several hold a name, as the sweep's registry loads it) and the toolchain of the bundles, from
+    their manifests."""
     facts = {"kernels": [], "binaries": {}, "toolchain": [], "bundles": []}
     for b in bundles:
         manifest_path = Path(b) / "manifest.json"
@@ -463,7 +465,7 @@ def bundle_facts(bundles: list[str]) -> dict:
             sig = k["key"]["signature"]
             if k["name"] not in facts["binaries"]:
                 facts["kernels"].append((k["name"], sig["op"], sig.get("direction")))
-                facts["binaries"][k["name"]] = k["sha256"][:BINARY_DIGITS]
+                facts["binaries"][k["name"]] = (k.get("build_id") or k["sha256"])[:BINARY_DIGITS]
     return facts
 
 

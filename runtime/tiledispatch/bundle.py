@@ -45,14 +45,18 @@ def kernel_file(key: KernelKey) -> str:
 
 
 def write_manifest(bundle_dir: str | Path, keys: list[KernelKey], *, backend: str, arch: str,
-                   toolchain: dict, kernel_sets: list[str], origins: dict[str, str]) -> Path:
-    """Write manifest.json atomically; every kernel file must already be in place."""
+                   toolchain: dict, kernel_sets: list[str], origins: dict[str, str],
+                   build_ids: Optional[dict[str, str]] = None) -> Path:
+    """Write manifest.json atomically; every kernel file must already be in place. build_ids: per kernel name, the
+    identity of the build that made it (the hash of its inputs, the build's CacheDir key), recorded as build_id."""
     bundle_dir = Path(bundle_dir)
     kernels = []
     for key in sorted(keys, key=lambda k: k.name):
         rel = kernel_file(key)
         kernels.append({"name": key.name, "file": rel, "sha256": sha256_file(bundle_dir / rel),
                         "key": key.to_dict(), "origin": origins.get(key.name, "")})
+        if build_ids and key.name in build_ids:
+            kernels[-1]["build_id"] = build_ids[key.name]
     manifest = {
         "schema": MANIFEST_SCHEMA_VERSION,
         "backend": backend,

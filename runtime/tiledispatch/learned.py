@@ -531,7 +531,8 @@ def scores(problem, kernels, models: Optional[Path] = None) -> Optional[np.ndarr
     covered, rest = split(problem, kernels, models)
     if not covered or rest:
         return None
-    return model_of(kernels, models).predict(problem, [kern.key for kern in kernels], tuple(kern.name for kern in kernels))
+    return model_of(kernels, models).predict(problem, [kern.key for kern in kernels],
+                                             tuple(kern.name for kern in kernels))
 
 
 def rank(problem, kernels, *, covered: bool = False, models: Optional[Path] = None) -> Optional[list]:

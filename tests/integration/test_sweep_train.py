@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO, build_cpu_bundle
+from conftest import REPO, build_cpu_bundle, scons
 from tiledispatch import backends, learned, selection
 from tiledispatch.ops.conv import ConvProblem
 
@@ -115,6 +115,20 @@ def test_store_drops_a_cut_short_append(tmp_path):
     assert metas == [{"machine_id": "m"}] and [r["kernel"] for r in rows] == ["a", "b"]
 
 
+def test_build_ids_name_the_inputs_not_the_bytes(tiny_bundle, tmp_path):
+    """Each kernel's build_id in the manifest (what the sweep stamps its times with) is the hash of its build's
+    inputs, the CacheDir key: a cold build in another build directory, the cache off, records the same ids."""
+    (tmp_path / "sweep_tiny.yaml").write_text(SET)
+    scons(REPO, f"kernels={tmp_path / 'sweep_tiny.yaml'}", "backend=cpu", f"arch={ARCH}", f"build_dir={tmp_path}",
+          "cache_dir=none", "bundle=again")
+
+    def ids(bundle_dir):
+        return {k["name"]: k["build_id"] for k in json.loads((bundle_dir / "manifest.json").read_text())["kernels"]}
+
+    assert ids(tmp_path / "again") == ids(tiny_bundle) and all(len(v) >= 32 for v in ids(tiny_bundle).values())
+    assert sweep.bundle_facts([str(tiny_bundle)])["binaries"] == {n: v[:16] for n, v in ids(tiny_bundle).items()}
+
+
 def test_sharded_sweep_resumes_and_matches_one_worker(tiny_bundle, tmp_path):
     problems = suite_problems(tmp_path) + random_2d(3, 2, "fwd")
     kw = dict(direction="fwd", batch_ms=0.2, repeats=2, log=lambda *_: None)
@@ -145,9 +159,10 @@ def test_sharded_sweep_resumes_and_matches_one_worker(tiny_bundle, tmp_path):
     one = sweep.sweep([str(tiny_bundle)], "conv", problems, out_dir=tmp_path / "one", workers=1, **kw)
     assert pairs(Path(one["store"])) == pairs(store)
 
-    # every line names the binary it timed; lines of another build of a kernel (here: rewritten as if the kernel
-    # had been rebuilt since, or stored before the stamps) do not count as done, so those pairs are timed again
-    manifest = {k["name"]: k["sha256"] for k in json.loads((tiny_bundle / "manifest.json").read_text())["kernels"]}
+    # every line names the build it timed (the manifest's build_id); lines of another build of a kernel (here:
+    # rewritten as if the kernel had been rebuilt since, or stored before the stamps) do not count as done, so those
+    # pairs are timed again
+    manifest = {k["name"]: k["build_id"] for k in json.loads((tiny_bundle / "manifest.json").read_text())["kernels"]}
     assert all(manifest[r["kernel"]].startswith(r["binary"]) and len(r["binary"]) == 16 for r in rows)
     rebuilt = sorted(kernels)[0]
     stale = tmp_path / "stale" / store.name
