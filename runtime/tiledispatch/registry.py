@@ -6,7 +6,6 @@ td_can_run accepts it. run() launches exactly one kernel, once.
 """
 from __future__ import annotations
 
-import functools
 import importlib
 import threading
 from pathlib import Path
@@ -83,10 +82,7 @@ class Registry:
         self._device_identity: Optional[str] = None
         self._checked_runnable = False
         self._workspaces: dict = {}  # (device, stream) -> [(buffer, bytes)], grow-only
-        # ranked(problem, kernels): the kernels in this registry's learned order, by the shipped models or by those
-        # of the folder given to use_models (load(models=...)) for the tasks it has a file for
-        self.models: Optional[Path] = None
-        self.ranked = selection.learned
+        self.models: Optional[Path] = None  # the folder of learned models given to use_models, or None
 
     def __len__(self) -> int:
         return len(self.kernels)
@@ -116,9 +112,12 @@ class Registry:
         None: the shipped ones again. Its files for this backend and arch are read now: InvalidInputError names a
         folder or a file that cannot be used."""
         self.models = check_models(models, self.backend, self.arch)
-        self.ranked = selection.learned if self.models is None else functools.partial(selection.learned,
-                                                                                       models=self.models)
         self.clear_caches()
+
+    def ranked(self, problem, kernels) -> list:
+        """The kernels in this registry's learned order: by the shipped models, or by those of the folder given to
+        use_models for the tasks it has a file for (selection.learned)."""
+        return selection.learned(problem, kernels, self.models)
 
     def clear_caches(self) -> None:
         """Forget prepared launches, selections and candidate lists (done when autotune, the tuning cache or its

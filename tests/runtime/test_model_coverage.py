@@ -75,7 +75,8 @@ def test_a_model_ranks_no_candidates_among_which_one_is_unseen(monkeypatch):
                                        if seen_as(parse_kernel_name(n)) != seen_as(dropped.key)]
     lacking = learned.Model(data)
     assert not lacking.knows(dropped.key)
-    monkeypatch.setattr(learned, "model_for", lambda backend, arch, task: lacking if task == "conv_fwd" else None)
+    monkeypatch.setattr(learned, "model_for",
+                        lambda backend, arch, task, models=None: lacking if task == "conv_fwd" else None)
     assert learned.split(two_d, rank2) == ([], rank2)  # the analytic order takes them all
     assert selection.learned(two_d, rank2) == selection.analytic(two_d, rank2)
     assert learned.scores(two_d, rank2) is None
