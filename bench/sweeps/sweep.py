@@ -24,8 +24,8 @@ kernel build it timed ("binary": the start of the kernel's build_id in the bundl
 input of its build; the sha256 of its bytes for a bundle that records none: nvcc's bytes differ from one cold
 build to the next), so a kernel whose build changed (its template, its flags, the toolchain) is timed again on
 the next run, and training takes a pair's times from the newest binary stored (lines from before the stamps count
-as an older binary). The problems already in the store are swept besides the suites and random draws, so a new or rebuilt
-kernel is timed on all of them. Sharded through Dask
+as an older binary). The problems already in the store are swept besides the suites and random draws, so a new
+or rebuilt kernel is timed on all of them. Sharded through Dask
 distributed: one task per problem, one single-threaded worker process per GPU (a local cluster over the
 visible GPUs by default; --workers N on the cpu backend), or the workers of a running cluster
 (--scheduler ADDR; start one worker per GPU on each host: `CUDA_VISIBLE_DEVICES=i
@@ -339,8 +339,7 @@ def _timer(device: str, stream):
     return timed
 
 
-# a measurement whose batches disagree by more than this was disturbed (a host stall between launches, a clock dip):
-# on the 2026-11-29 H200 sweeps 4-6% of the lines, up to 6x on a 25 us kernel (a three-launch batch, stalled)
+# batches of one measurement further apart than this: a host stall between launches or a clock dip disturbed it
 SPREAD_LIMIT = 1.3
 # a batch shorter than this share of the asked length was sized by a probe launch that a stall slowed down
 SHORT_BATCH = 0.25
@@ -389,7 +388,7 @@ def time_problem(bundles: tuple[str, ...], problem_dict: dict, kernel_names: lis
             probe = min(timed(plan.launch, 1) for _ in range(3))
             batch_ms = settings["batch_ms"]
             timing = {"batch_ms": batch_ms}
-            for attempt in range(2):  # a disturbed measurement is taken again once, batches sized from its fastest
+            for _ in range(2):  # a disturbed measurement is taken again once, batches sized from its fastest
                 calls = max(1, min(10000, int(batch_ms / max(probe, 1e-4))))
                 samples = [timed(plan.launch, calls) for _ in range(settings["repeats"])]
                 timing.update(ms=statistics.median(samples), samples_ms=samples, calls=calls)
