@@ -343,6 +343,7 @@ def _timer(device: str, stream):
 SPREAD_LIMIT = 1.3
 # a batch shorter than this share of the asked length was sized by a probe launch that a stall slowed down
 SHORT_BATCH = 0.25
+MAX_CALLS = 10000  # launches in one batch at most: a batch of this many is as long as it gets, never "short"
 DEFAULT_BATCH_MS = {"cpu": 5.0, "cuda": 1.0}
 
 
@@ -357,7 +358,7 @@ def disturbed(line: dict) -> bool:
         return True
     calls = line.get("calls")
     asked = line.get("batch_ms", DEFAULT_BATCH_MS["cuda"])
-    return calls is not None and calls < 10000 and calls * fastest < SHORT_BATCH * asked
+    return calls is not None and calls < MAX_CALLS and calls * fastest < SHORT_BATCH * asked
 
 
 def time_problem(bundles: tuple[str, ...], problem_dict: dict, kernel_names: list[str], settings: dict) -> dict:
@@ -389,7 +390,7 @@ def time_problem(bundles: tuple[str, ...], problem_dict: dict, kernel_names: lis
             batch_ms = settings["batch_ms"]
             timing = {"batch_ms": batch_ms}
             for _ in range(2):  # a disturbed measurement is taken again once, batches sized from its fastest
-                calls = max(1, min(10000, int(batch_ms / max(probe, 1e-4))))
+                calls = max(1, min(MAX_CALLS, int(batch_ms / max(probe, 1e-4))))
                 samples = [timed(plan.launch, calls) for _ in range(settings["repeats"])]
                 timing.update(ms=statistics.median(samples), samples_ms=samples, calls=calls)
                 if not disturbed(timing):

@@ -87,9 +87,8 @@ def selection_models(keys: list[KernelKey], models: Optional[Path] = None) -> di
     for task in sorted({learned.task_of(key) for key in keys}):
         mine = [key for key in keys if learned.task_of(key) == task]
         model = learned.model_for(mine[0].backend, mine[0].arch, task, models)
-        path = learned.model_path(mine[0].backend, mine[0].arch, task, models)
         out[task] = None if model is None else {
-            "model": path.name if models is None else str(path), "version": model.version,
+            "model": learned.model_file(mine[0].backend, mine[0].arch, task, models), "version": model.version,
             "covers": sum(model.applies(None, key) for key in mine), "unseen": model.unseen(mine)}
     return out
 

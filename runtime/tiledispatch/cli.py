@@ -300,8 +300,8 @@ def _explain_model(reg, p, fits: list, top: int) -> dict:
     measured = (record or {}).get("times_ms", {})
     predicted, unit = model.predicted_times(p, [k.key for k in covered], tuple(k.name for k in covered))
     order = sorted(range(len(covered)), key=lambda i: (predicted[i], covered[i].name))[:top]
-    path = learned.model_path(reg.backend, reg.arch, model.task, reg.models)
-    return {"model": {"file": path.name if reg.models is None else str(path), "version": model.version,
+    return {"model": {"file": learned.model_file(reg.backend, reg.arch, model.task, reg.models),
+                      "version": model.version,
                       "trained": {k: model.meta.get(k) for k in ("date", "machine", "machines", "shapes", "kernels")
                                   if k in model.meta},
                       "target": model.target, "bundle_recorded": (reg.manifest.get("selection_models") or {}).get(

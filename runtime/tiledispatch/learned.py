@@ -455,6 +455,13 @@ def model_path(backend: str, arch: str, task: str, models: Optional[Path] = None
     return own if own.exists() or own.name not in _PACK_MODELS else _PACK_MODELS[own.name]
 
 
+def model_file(backend: str, arch: str, task: str, models: Optional[Path] = None) -> str:
+    """The model file as a user is shown it: its name for one the runtime ships, its path where a models folder
+    is in use."""
+    path = model_path(backend, arch, task, models)
+    return path.name if models is None else str(path)
+
+
 def add_pack_models(paths) -> None:
     """Use these model files (named <backend>_<arch>_<task>.json) for backends / arches / tasks the runtime
     ships no model for; the first pack loaded that carries one wins."""
