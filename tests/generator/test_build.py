@@ -45,6 +45,9 @@ def test_build_incremental_and_cached(repo):
     assert all(len(k["sha256"]) == 64 for k in manifest["kernels"])
     assert "g++" in manifest["toolchain"]["identity"] or "GCC" in manifest["toolchain"]["identity"]
 
+    # the signature records live in the build directory (builds into other directories may run at once)
+    assert (repo / "build" / ".sconsign.dblite").is_file() and not (repo / ".sconsign.dblite").exists()
+
     # a second run rebuilds nothing
     second = build(repo)
     assert summary(second)["compiled"] == 0 and summary(second)["up_to_date"] == 3
@@ -69,6 +72,8 @@ def test_build_incremental_and_cached(repo):
     fresh = build(repo, "other_build")
     s = summary(fresh)
     assert s["compiled"] == 0 and s["cached"] == 3, fresh.stdout
+    assert (repo / "other_build" / ".sconsign.dblite").is_file()
+    assert summary(build(repo))["up_to_date"] == 3  # the first directory's records are its own still
 
 
 @pytest.mark.slow
