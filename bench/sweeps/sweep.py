@@ -314,28 +314,55 @@ _TORCH = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "int8": "int
           "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
+# How a store's lines on a GPU were timed: "queued", each batch queued behind a delay on the stream, so that the
+# GPU runs its launches back to back. Without it (lines before this field), a kernel shorter than the host's launch
+# (about 8-14 us through the prepared call on an H100 / H200) was timed at the host's pace: every such kernel
+# measured alike, its ranking noise. Lines of another method count as untimed, as another binary's do.
+GPU_TIMING = "queued"
+CYCLES_PER_MS = 2.0e6  # the delay kernel spins for clock cycles: 2 GHz, at or above the H100 / H200 boost clock,
+# so a lower clock only lengthens the delay
+MAX_DELAY_MS = 50.0
+
+
+def timing_method(device: str) -> Optional[str]:
+    return GPU_TIMING if device == "cuda" else None
+
+
 def _timer(device: str, stream):
-    """fn, calls -> milliseconds per call of `calls` back-to-back calls."""
+    """fn, calls -> (milliseconds per call of `calls` back-to-back calls, whether the host fell behind the GPU).
+
+    On a GPU the batch waits behind a delay kernel long enough for the host to queue all its launches (sized from
+    the host's pace in the previous batch); the events then time the GPU running them back to back, the steady
+    state of a busy stream or a CUDA graph, which is when the choice of kernel matters (a host-bound caller waits
+    on its own launches, whatever the kernel). A batch whose queueing outlasted the delay is reported as behind."""
     if device == "cuda":
         import torch
 
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin, start, stop = (torch.cuda.Event(enable_timing=True) for _ in range(3))
         torch_stream = torch.cuda.ExternalStream(stream) if stream else torch.cuda.current_stream()
+        pace = {"host_ms": 0.03}  # per launch; a first guess above the prepared call's, then measured
 
-        def timed(fn, calls: int) -> float:
+        def timed(fn, calls: int) -> tuple[float, bool]:
+            delay_ms = min(MAX_DELAY_MS, 1.5 * pace["host_ms"] * calls + 0.02)
+            begin.record(torch_stream)
+            with torch.cuda.stream(torch_stream):
+                torch.cuda._sleep(int(delay_ms * CYCLES_PER_MS))
             start.record(torch_stream)
+            t0 = time.perf_counter()
             for _ in range(calls):
                 fn()
+            queued_ms = (time.perf_counter() - t0) * 1e3
             stop.record(torch_stream)
             stop.synchronize()
-            return start.elapsed_time(stop) / calls
+            pace["host_ms"] = queued_ms / calls
+            return start.elapsed_time(stop) / calls, queued_ms > begin.elapsed_time(start)
         return timed
 
-    def timed(fn, calls: int) -> float:
+    def timed(fn, calls: int) -> tuple[float, bool]:
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
-        return (time.perf_counter() - t0) * 1e3 / calls
+        return (time.perf_counter() - t0) * 1e3 / calls, False
     return timed
 
 
@@ -348,11 +375,14 @@ DEFAULT_BATCH_MS = {"cpu": 5.0, "cuda": 1.0}
 
 
 def disturbed(line: dict) -> bool:
-    """Whether a stored timing line (or a fresh record) was disturbed: its batches more than SPREAD_LIMIT apart, or
-    far shorter than the batch length asked for (lines from before batch_ms was recorded: the GPU default)."""
+    """Whether a stored timing line (or a fresh record) was disturbed: its batches more than SPREAD_LIMIT apart, far
+    shorter than the batch length asked for (lines from before batch_ms was recorded: the GPU default), or a batch
+    whose launches the host had not all queued when the GPU reached them (_timer)."""
     samples = line.get("samples_ms") or ([line["ms"]] if line.get("ms") is not None else [])
     if not samples:
         return False
+    if line.get("host_behind"):
+        return True
     fastest = min(samples)
     if max(samples) > SPREAD_LIMIT * fastest:
         return True
@@ -376,7 +406,7 @@ def time_problem(bundles: tuple[str, ...], problem_dict: dict, kernel_names: lis
         stream = torch.cuda.current_stream().cuda_stream
     tensors = _operands(problem, reg.device, settings.get("seed", 0))
     ops = ops_get(problem.op).operands_for(problem, tensors)
-    timed = _timer(reg.device, stream)
+    timed, method = _timer(reg.device, stream), timing_method(reg.device)
     records = []
     for name in kernel_names:
         record = {"problem": problem.to_dict(), "problem_id": problem_id(problem), "kernel": name}
@@ -386,13 +416,19 @@ def time_problem(bundles: tuple[str, ...], problem_dict: dict, kernel_names: lis
             plan.launch()  # warm-up: first-touch of the operands, instruction caches, lazy module loading
             # the fastest of three single launches sizes the batches (one launch slowed by a host stall would
             # make them a few launches long, each batch then timing the stall)
-            probe = min(timed(plan.launch, 1) for _ in range(3))
+            probe = min(timed(plan.launch, 1)[0] for _ in range(3))
             batch_ms = settings["batch_ms"]
             timing = {"batch_ms": batch_ms}
+            if method:
+                timing["timing"] = method
             for _ in range(2):  # a disturbed measurement is taken again once, batches sized from its fastest
                 calls = max(1, min(MAX_CALLS, int(batch_ms / max(probe, 1e-4))))
-                samples = [timed(plan.launch, calls) for _ in range(settings["repeats"])]
+                batches = [timed(plan.launch, calls) for _ in range(settings["repeats"])]
+                samples = [ms for ms, _ in batches]
                 timing.update(ms=statistics.median(samples), samples_ms=samples, calls=calls)
+                timing.pop("host_behind", None)
+                if any(behind for _, behind in batches):
+                    timing["host_behind"] = True
                 if not disturbed(timing):
                     break
                 probe = min(samples)
@@ -493,7 +529,9 @@ def sweep(bundles: list[str], op: str, problems: list[dict], *, direction: Optio
     store = store_path(out_dir, op, direction, facts["backend"], facts["arch"])
     binaries = facts["binaries"]
     stored = read_store(store)[1]
-    current = [r for r in stored if r.get("binary") == binaries.get(r["kernel"])]
+    device = "cpu" if facts["backend"] == "cpu" else "cuda"
+    method = timing_method(device)
+    current = [r for r in stored if r.get("binary") == binaries.get(r["kernel"]) and r.get("timing") == method]
     done = {(r["problem_id"], r["kernel"]) for r in current if not (retime_disturbed and disturbed(r))}
     if retime_disturbed:
         shaky = {(r["problem_id"], r["kernel"]) for r in current} - done
@@ -511,8 +549,8 @@ def sweep(bundles: list[str], op: str, problems: list[dict], *, direction: Optio
     timed_now = {(r["problem_id"], r["kernel"]) for r in current}
     rebuilt = sorted({r["kernel"] for r in stored
                       if r["kernel"] in keys and (r["problem_id"], r["kernel"]) not in timed_now})
-    if rebuilt:  # stored lines of another build (or from before the stamps): those kernels are timed again
-        log(f"{store}: {len(rebuilt)} kernel(s) with times of another binary, timed again: "
+    if rebuilt:  # stored lines of another build, from before the stamps or of another timing method: timed again
+        log(f"{store}: {len(rebuilt)} kernel(s) with times of another binary or timing method, timed again: "
             + ", ".join(rebuilt[:5]) + (" ..." if len(rebuilt) > 5 else ""))
     log(f"{store}: {len(problems)} problem(s), {len(names)} kernel(s); {skipped} pair(s) stored, "
         f"{sum(len(m) for _, m in todo)} to time")
@@ -522,11 +560,11 @@ def sweep(bundles: list[str], op: str, problems: list[dict], *, direction: Optio
     sources = {"git": git_describe(), "bundles": facts["bundles"], "toolchain": facts["toolchain"],
                "backend": facts["backend"], "arch": facts["arch"], "op": op, "direction": direction,
                "timing": f"median of {repeats} batches of back-to-back launches of the prepared call (Plan) on the "
-                         f"same operands, about {batch_ms} ms each" + (", CUDA events on the launch stream"
-                                                                       if facts["backend"] != "cpu" else "")
+                         f"same operands, about {batch_ms} ms each" + (
+                             ", queued behind a delay kernel so that the GPU runs them back to back, CUDA events on "
+                             "the launch stream" if facts["backend"] != "cpu" else "")
                          + f"; taken again once where disturbed (batches over {SPREAD_LIMIT}x apart or short)",
                "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    device = "cpu" if facts["backend"] == "cpu" else "cuda"
     cluster = None if scheduler else local_cluster(device, workers)
     start, known = time.time(), {}
     settings = {"batch_ms": batch_ms, "repeats": repeats}

@@ -159,24 +159,28 @@ def test_sharded_sweep_resumes_and_matches_one_worker(tiny_bundle, tmp_path):
     one = sweep.sweep([str(tiny_bundle)], "conv", problems, out_dir=tmp_path / "one", workers=1, **kw)
     assert pairs(Path(one["store"])) == pairs(store)
 
-    # every line names the build it timed (the manifest's build_id); lines of another build of a kernel (here:
-    # rewritten as if the kernel had been rebuilt since, or stored before the stamps) do not count as done, so those
-    # pairs are timed again
+    # every line names the build it timed (the manifest's build_id) and, on a GPU, the timing method
+    # (sweep.GPU_TIMING; none on the cpu backend); lines of another build of a kernel (here: rewritten as if the
+    # kernel had been rebuilt since, or stored before the stamps) or of another method do not count as done, so
+    # those pairs are timed again
     manifest = {k["name"]: k["build_id"] for k in json.loads((tiny_bundle / "manifest.json").read_text())["kernels"]}
     assert all(manifest[r["kernel"]].startswith(r["binary"]) and len(r["binary"]) == 16 for r in rows)
-    rebuilt = sorted(kernels)[0]
+    assert sweep.timing_method("cpu") is None and not any("timing" in r for r in rows)
+    rebuilt, requeued = sorted(kernels)[:2]
     stale = tmp_path / "stale" / store.name
     sweep.append_store(stale, [{"meta": m} for m in metas] +
                        [{**r, "binary": "0" * 16} if r["kernel"] == rebuilt else
+                        {**r, "timing": sweep.GPU_TIMING} if r["kernel"] == requeued else
                         {k: v for k, v in r.items() if k != "binary"} if r["problem_id"] == rows[0]["problem_id"]
                         else r for r in rows])
     said = []
     retimed = sweep.sweep([str(tiny_bundle)], "conv", [], out_dir=tmp_path / "stale", workers=1,
                           **{**kw, "log": said.append})
     # every kernel is named: the first problem's lines of all of them are unstamped
-    assert f"{len(kernels)} kernel(s) with times of another binary, timed again" in said[0]
+    assert f"{len(kernels)} kernel(s) with times of another binary or timing method, timed again" in said[0]
     redone = {(r["problem_id"], r["kernel"]) for r in sweep.read_store(stale)[1][len(rows):]}
-    assert redone == {(pid, k) for pid, k in pairs(store) if k == rebuilt or pid == rows[0]["problem_id"]}
+    assert redone == {(pid, k) for pid, k in pairs(store)
+                      if k in (rebuilt, requeued) or pid == rows[0]["problem_id"]}
     assert retimed["timed"] == len(redone) and retimed["skipped"] == len(rows) - len(redone)
 
     # a stored measurement whose batches disagree counts as done, unless retime_disturbed asks for it again (the
@@ -202,14 +206,15 @@ def test_sharded_sweep_resumes_and_matches_one_worker(tiny_bundle, tmp_path):
     ({"ms": 0.025, "samples_ms": [0.025] * 3, "calls": 1}, True),  # 1 launch a batch where 1 ms was asked for
     ({"ms": 0.025, "samples_ms": [0.025] * 3, "calls": 40}, False),
     ({"ms": 3.0, "samples_ms": [3.0] * 3, "calls": 1}, False),  # a long kernel: one launch is the batch
+    ({"ms": 0.025, "samples_ms": [0.025] * 3, "calls": 40, "host_behind": True}, True),  # the GPU caught up
     ({"ms": None, "refused": "UnsupportedProblemError: no"}, False)])
 def test_disturbed_measurements(line, shaky):
     assert sweep.disturbed(line) is shaky
 
 
 def test_training_takes_the_newest_binary_of_each_pair(tmp_path):
-    """A pair's times come from the binary its last stored line names: a rebuilt kernel's new times replace the
-    old build's, a refusal by the new build drops the pair, and times of one build from several runs are averaged
+    """A pair's times come from the binary and timing method its last stored line names: a rebuilt kernel's new
+    times replace the old build's, a refusal by the new build drops the pair, and times of one build from several runs are averaged
     (geometric mean), its disturbed runs left out where it has others."""
     import train
 
@@ -239,6 +244,13 @@ def test_training_takes_the_newest_binary_of_each_pair(tmp_path):
     sweep.append_store(store, [{**line(names[0], 10.0, "c" * 16), "samples_ms": [10.0, 30.0]}])
     [entry] = train.load_problems([str(store)]).values()
     np.testing.assert_allclose(entry["problems"][0]["times"], [10.0, 4.0])
+    # times of the same binary taken by another method (queued on a GPU) replace the earlier method's; until every
+    # kernel of the problem has them, the problem is left out (times of two methods do not compare)
+    sweep.append_store(store, [{**line(names[1], 3.0), "timing": sweep.GPU_TIMING}])
+    assert not train.load_problems([str(store)])
+    sweep.append_store(store, [{**line(names[0], 5.0, "c" * 16), "timing": sweep.GPU_TIMING}])
+    [entry] = train.load_problems([str(store)]).values()
+    np.testing.assert_allclose(entry["problems"][0]["times"], [5.0, 3.0])
 
 
 def _train(tiny_bundle, tmp_path, direction, count=24):
@@ -470,3 +482,26 @@ def test_identity_set_has_every_tile_of_the_set_with_identity_epilogues(tmp_path
     assert {learned._what_the_model_sees(k) for k in shipped} == seen
     with pytest.raises(SystemExit, match="no ck_tile gemm groups"):
         identity_set.main(["conv_fp16_all_essential", "--backend", "ck_tile", "--op", "gemm", "-o", str(out)])
+
+
+def test_agreement_of_two_sweeps(tmp_path):
+    """agreement.py: per-pair ratios by kernel length, and each selection's fastest kernel judged by the other's
+    times; a store's lines are selected by timing method."""
+    import agreement
+
+    a = {"p1": {"k1": 0.005, "k2": 0.006}, "p2": {"k1": 1.0, "k2": 2.0}}
+    b = {"p1": {"k1": 0.006, "k2": 0.003}, "p2": {"k1": 1.0, "k2": 2.0}}
+    result = agreement.agreement(a, b)
+    assert result["pairs"] == 4
+    short, long_ = result["b_over_a_by_a_time"]
+    assert short["below_ms"] == 0.01 and short["pairs"] == 2 and long_["below_ms"] is None and long_["p50"] == 1.0
+    # p1: A picks k1, which B times at 0.006 against its best 0.003; p2 agrees
+    assert result["a_oracle_on_b"] == {"problems": 2, "mean": 0.75, "p10": 0.5, "min": 0.5}
+    assert result["b_oracle_on_a"]["min"] == pytest.approx(0.005 / 0.006)
+    store = tmp_path / "s.jsonl.gz"
+    row = {"problem_id": "p1", "kernel": "k1", "ms": 2.0}
+    sweep.append_store(store, [row, {**row, "ms": 1.0, "timing": sweep.GPU_TIMING}])
+    assert agreement.selected(f"{store}@launched")[1] == {"p1": {"k1": 2.0}}
+    assert agreement.selected(f"{store}@queued")[1] == {"p1": {"k1": 1.0}}
+    with pytest.raises(SystemExit, match="launched or queued"):
+        agreement.selected(f"{store}@paced")
