@@ -106,7 +106,7 @@ def synthetic_model(reg, models: Path) -> Path:
     return path
 
 
-def shipped_models(count: int = 30) -> dict:
+def shipped_models(count: int = 30, folder: Path = SHIPPED_MODELS) -> dict:
     """Each shipped cutlass sm90a model on the kernels of the preselected sets it ranks (fp16_rcr_full,
     fp16_rcr_essential, conv_fp16_all_essential; keys only: no GPU needed), on random problems: its features, and
     its trees evaluated plainly and as the ranker calls them (the kernel-only columns' masks kept per kernel
@@ -119,7 +119,7 @@ def shipped_models(count: int = 30) -> dict:
     rng = np.random.default_rng(3)
     out = {}
     for task in learned.TASKS:
-        path = SHIPPED_MODELS / f"cutlass_sm90a_{task}.json"
+        path = folder / f"cutlass_sm90a_{task}.json"
         if not path.exists():
             continue
         model = learned.Model(json.loads(path.read_text()))
@@ -160,9 +160,11 @@ def main() -> int:
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "selection_cost_cpu.json"))
     ap.add_argument("--shipped-only", action="store_true",
                     help="only the shipped models on the preselected sets' keys (no bundle is built); JSON to stdout")
+    ap.add_argument("--models", type=Path, default=SHIPPED_MODELS,
+                    help="with --shipped-only: the folder of cutlass sm90a model files to time instead")
     a = ap.parse_args()
     if a.shipped_only:
-        print(json.dumps(shipped_models(), indent=1))
+        print(json.dumps(shipped_models(folder=a.models), indent=1))
         return 0
     bundle_dir = build(a.kernels)
     reg = td.load(bundle_dir)
