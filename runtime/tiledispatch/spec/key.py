@@ -155,9 +155,12 @@ class Algorithm:
                 raise ValueError(f"extras: {name} must be a non-negative integer or a lower-case identifier, "
                                  f"got {value!r}")
         object.__setattr__(self, "extras", tuple(sorted(extras.items())))
+        # looked up per kernel and problem by the cost models (selection.cost_terms): not rebuilt per lookup; not a
+        # field, so equality, hashing and the name stay the extras tuple's
+        object.__setattr__(self, "_extras_by_name", extras)
 
     def extra(self, name: str, default: Any = None) -> Any:
-        return dict(self.extras).get(name, default)
+        return self._extras_by_name.get(name, default)
 
 
 @dataclass(frozen=True)
