@@ -45,9 +45,9 @@ from tiledispatch.spec.key import parse_kernel_name  # noqa: E402
 # num_leaves 63 / min_child_samples 20: on the 2026-11-29 conv sweeps (3,100 problems per direction) they held out
 # better than 31 / 10 in every direction (mean +0.002-0.004, P10 +0.011-0.021), 127 leaves little more
 # (bench/results/conv_model_h200/params_comparison.json)
-# 150 rounds at rate 0.1: held out as 300 at 0.05 within the seeds' noise (mean +-0.002, P10 -0.000 to -0.004 on
-# the 2026-11-29 H200 sweeps) for 20-40% less tree evaluation per first select
-# (bench/results/model_size_h200)
+# 150 rounds at rate 0.1: held out by shape as 300 at 0.05 within the seeds' noise (mean +-0.002, P10 -0.000 to
+# -0.004 on the 2026-11-29 H200 sweeps; with a model family left out, P10 up to -0.017) for 20-40% less tree
+# evaluation per first select (bench/results/model_size_h200)
 PARAMS = {"objective": "regression", "learning_rate": 0.1, "num_leaves": 63, "min_child_samples": 20,
           "subsample": 0.85, "subsample_freq": 1, "colsample_bytree": 0.85, "reg_lambda": 0.5, "verbose": -1,
           "seed": 42, "deterministic": True, "num_threads": 2}
