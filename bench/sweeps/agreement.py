@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sweep import read_store  # noqa: E402
+from train import summary  # noqa: E402
 
 BANDS_MS = (0.01, 0.02, 0.05, 0.2, 1.0, float("inf"))  # upper edges of the kernel-length bands
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
@@ -58,10 +58,7 @@ def oracle_agreement(a: dict, b: dict, min_kernels: int) -> dict:
             continue
         pick = min(sorted(common), key=times_a.get)
         effs.append(min(b[pid][k] for k in common) / b[pid][pick])
-    if not effs:
-        return {"problems": 0}
-    effs.sort()
-    return {"problems": len(effs), "mean": statistics.fmean(effs), "p10": effs[len(effs) // 10], "min": effs[0]}
+    return summary(effs)  # as train.py scores a ranker's picks
 
 
 def agreement(a: dict, b: dict, min_kernels: int = 2) -> dict:

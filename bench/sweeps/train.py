@@ -109,8 +109,9 @@ def load_problems(paths: list[str]) -> dict:
             names = sorted(times_of)
             if len(names) < 2:  # nothing to choose between
                 continue
-            if len({p["times"][n][0][1] for n in names}) > 1:  # timed by two methods (a resweep cut short): their
-                continue  # times do not compare, so the problem waits for the rest of its kernels
+            methods = {version[1] for version, _ in (p["times"][n] for n in names)}  # version: (binary, timing)
+            if len(methods) > 1:  # timed by two methods (a resweep cut short): their times do not compare, so the
+                continue  # problem waits for the rest of its kernels
             problem = problem_from_dict(p["dict"], op=p["dict"]["op"])
             keys = [parse_kernel_name(n) for n in names]
             times = np.array([math.exp(statistics.fmean(math.log(t) for t in times_of[n])) for n in names])

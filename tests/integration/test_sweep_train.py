@@ -496,7 +496,8 @@ def test_agreement_of_two_sweeps(tmp_path):
     short, long_ = result["b_over_a_by_a_time"]
     assert short["below_ms"] == 0.01 and short["pairs"] == 2 and long_["below_ms"] is None and long_["p50"] == 1.0
     # p1: A picks k1, which B times at 0.006 against its best 0.003; p2 agrees
-    assert result["a_oracle_on_b"] == {"problems": 2, "mean": 0.75, "p10": 0.5, "min": 0.5}
+    assert result["a_oracle_on_b"] == {"problems": 2, "mean": 0.75, "median": 0.75, "p10": 0.5, "min": 0.5,
+                                       "within_10pct": 0.5}
     assert result["b_oracle_on_a"]["min"] == pytest.approx(0.005 / 0.006)
     store = tmp_path / "s.jsonl.gz"
     row = {"problem_id": "p1", "kernel": "k1", "ms": 2.0}
