@@ -6,6 +6,8 @@
     python bench/benchmarks/suite.py compare BEFORE_DIR AFTER_DIR [--out FILE_STEM]   # two runs, point by point
     python bench/benchmarks/suite.py conv BUNDLE --versus OLD_BUNDLE --out DIR; suite.py compare DIR   # interleaved
     python bench/benchmarks/suite.py conv BUNDLE --versus-models OLD_MODELS_DIR --out DIR   # same bundle, other models
+    python bench/benchmarks/suite.py conv BUNDLE --autotune --versus-models runtime/tiledispatch/models --out DIR
+                                                                   # autotuned against the learned pick
 
 Ours: reg.conv_fwd / conv_bwd_data / conv_bwd_weight (x, w, out=..., groups=...) and reg.gemm(a, b, out=d) on one
 registry of the bundles' kernels, no tuning records: every host cost of a user's repeated call is in the time.
@@ -69,10 +71,11 @@ REPEATS = 7
 
 
 # ---- the registry and timing ----------------------------------------------------------------------------------
-def registry_of(dirs: list[str], models=None) -> Registry:
+def registry_of(dirs: list[str], models=None, autotune: bool = False) -> Registry:
     """One registry of the bundles' kernels (first bundle's copy of a kernel in several), no tuning records; models:
-    a folder of learned models to rank with instead of the shipped ones (Registry.use_models)."""
-    regs = [td.load(d, tuning_cache=TuningCache(None)) for d in dirs]
+    a folder of learned models to rank with instead of the shipped ones (Registry.use_models); autotune: the first
+    call of a problem tunes it, the records kept in memory."""
+    regs = [td.load(d, tuning_cache=TuningCache(None), autotune=autotune) for d in dirs]
     if len(regs) == 1:
         regs[0].use_models(models)
         return regs[0]
@@ -82,7 +85,8 @@ def registry_of(dirs: list[str], models=None) -> Registry:
             if k.name not in seen:
                 seen.add(k.name)
                 kernels.append(k)
-    reg = Registry(kernels, regs[0].backend, regs[0].arch, regs[0].manifest, tuning_cache=TuningCache(None))
+    reg = Registry(kernels, regs[0].backend, regs[0].arch, regs[0].manifest, tuning_cache=TuningCache(None),
+                   autotune=autotune)
     reg.use_models(models)
     return reg
 
@@ -315,7 +319,7 @@ def points(suite_name: str, suite: dict, a) -> list[tuple]:
 
 def run_points(a, suite_name: str, selection: list[tuple], out_jsonl: Path, peer_only: bool, done: set) -> None:
     torch.backends.cudnn.benchmark = True
-    reg = None if peer_only else registry_of(a.bundles)
+    reg = None if peer_only else registry_of(a.bundles, autotune=a.autotune)
     versus = None
     if (a.versus or a.versus_models) and not peer_only:  # the before: other bundles, or ours ranked by other models
         versus = registry_of(a.versus or a.bundles, models=a.versus_models)
@@ -586,6 +590,9 @@ def main(argv=None) -> int:
     ap.add_argument("--versus-models", metavar="DIR",
                     help="the same, with the before ranked by the learned models in DIR (e.g. the ones a retrain "
                          "replaces) on our bundles (or the --versus ones)")
+    ap.add_argument("--autotune", action="store_true",
+                    help="ours with autotune: each point's first call tunes it (records in memory); beside "
+                         "--versus-models runtime/tiledispatch/models, tuned against the learned pick")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--api", choices=("registry", "torch"), default="registry",
                     help="conv: ours through reg.conv_* (default) or the tiledispatch.torch operators a patched model "
@@ -647,7 +654,7 @@ def main(argv=None) -> int:
     bundles = {b: {k: v for k, v in json.loads((Path(b) / "manifest.json").read_text()).items() if k != "kernels"}
                for b in a.bundles}  # what built them (toolchain, sets), not the kernel list
     info = {"suite": a.suite, "machine": machine(a.device), "device": a.device, "api": a.api, "versus": a.versus,
-            "versus_models": a.versus_models,
+            "versus_models": a.versus_models, "autotune": a.autotune,
             "strided_bwd_data": os.environ.get("TD_STRIDED_BWD_DATA", "auto"), "bundles": bundles,
             "shard": list(a.shard), "points": len(selection), "seconds": round(time.time() - start, 1),
             "timing": f"median of {REPEATS} batches of back-to-back calls (about {TARGET_MS} ms a batch), CUDA events; "

@@ -319,9 +319,6 @@ _TORCH = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "int8": "int
 # (about 8-14 us through the prepared call on an H100 / H200) was timed at the host's pace: every such kernel
 # measured alike, its ranking noise. Lines of another method count as untimed, as another binary's do.
 GPU_TIMING = "queued"
-CYCLES_PER_MS = 2.0e6  # the delay kernel spins for clock cycles: 2 GHz, at or above the H100 / H200 boost clock,
-# so a lower clock only lengthens the delay
-MAX_DELAY_MS = 50.0
 
 
 def timing_method(device: str) -> Optional[str]:
@@ -331,32 +328,14 @@ def timing_method(device: str) -> Optional[str]:
 def _timer(device: str, stream):
     """fn, calls -> (milliseconds per call of `calls` back-to-back calls, whether the host fell behind the GPU).
 
-    On a GPU the batch waits behind a delay kernel long enough for the host to queue all its launches (sized from
-    the host's pace in the previous batch); the events then time the GPU running them back to back, the steady
-    state of a busy stream or a CUDA graph, which is when the choice of kernel matters (a host-bound caller waits
-    on its own launches, whatever the kernel). A batch whose queueing outlasted the delay is reported as behind."""
+    On a GPU, the runtime's queued timing (tiledispatch.cuda.QueuedTimer): the batch waits behind a delay kernel
+    long enough for the host to queue all its launches, so the events time the GPU running them back to back, the
+    steady state of a busy stream or a CUDA graph, which is when the choice of kernel matters (a host-bound caller
+    waits on its own launches, whatever the kernel)."""
     if device == "cuda":
-        import torch
+        from tiledispatch import cuda
 
-        begin, start, stop = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-        torch_stream = torch.cuda.ExternalStream(stream) if stream else torch.cuda.current_stream()
-        pace = {"host_ms": 0.03}  # per launch; a first guess above the prepared call's, then measured
-
-        def timed(fn, calls: int) -> tuple[float, bool]:
-            delay_ms = min(MAX_DELAY_MS, 1.5 * pace["host_ms"] * calls + 0.02)
-            begin.record(torch_stream)
-            with torch.cuda.stream(torch_stream):
-                torch.cuda._sleep(int(delay_ms * CYCLES_PER_MS))
-            start.record(torch_stream)
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            queued_ms = (time.perf_counter() - t0) * 1e3
-            stop.record(torch_stream)
-            stop.synchronize()
-            pace["host_ms"] = queued_ms / calls
-            return start.elapsed_time(stop) / calls, queued_ms > begin.elapsed_time(start)
-        return timed
+        return cuda.QueuedTimer(stream or 0).batch
 
     def timed(fn, calls: int) -> tuple[float, bool]:
         t0 = time.perf_counter()

@@ -7,7 +7,7 @@ the one a torch / cupy / nvidia-cuda-runtime wheel ships, else the system's libc
 What the runtime needs and no more: device facts (device_arch), device memory (malloc / free, and a
 persistent workspace per device and stream that only grows), host <-> device copies for numpy
 inputs (DeviceArray), the caller's current stream (current_stream), synchronize, and CUDA events
-for benchmarks (Timer, time_calls).
+for benchmarks and tuning (Timer, time_calls, time_queued).
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import glob
 import importlib.util
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -390,26 +391,107 @@ def time_calls(fn: Callable[[int], None], *, stream: int = 0, calls: int = 20, r
     return out
 
 
-_flush_buffers: dict = {}  # device -> (pointer, bytes): twice the L2, allocated once
+# ---- queued timing: the GPU's time for back-to-back launches, whatever the host's pace -----------------------
+# A delay kernel (PTX, JIT-compiled by the driver once per device) that spins on the GPU's nanosecond timer: launches
+# queued behind it start back to back when it ends, so events around them time the GPU alone.
+_DELAY_PTX = b""".version 7.0
+.target sm_70
+.address_size 64
+.visible .entry td_delay(.param .u64 td_delay_ns)
+{
+    .reg .pred %p<2>;
+    .reg .b64 %rd<5>;
+    ld.param.u64 %rd1, [td_delay_ns];
+    mov.u64 %rd2, %globaltimer;
+    add.s64 %rd3, %rd2, %rd1;
+$L_spin:
+    mov.u64 %rd4, %globaltimer;
+    setp.lt.u64 %p1, %rd4, %rd3;
+    @%p1 bra $L_spin;
+    ret;
+}
+"""
+_driver: Optional[ctypes.CDLL] = None
+_delay_kernels: dict = {}  # device -> CUfunction
+_delay_lock = threading.Lock()
+MAX_DELAY_MS = 50.0  # the delay's cap: a batch the host takes longer to queue is reported as behind
 
 
-def time_cold_calls(fn: Callable[[int], None], *, stream: int = 0, calls: int = 10) -> list[float]:
-    """Milliseconds of each of `calls` single calls of fn(i), each after the L2 cache was flushed (a
-    buffer of twice its size is cleared on the same stream first), so that no call finds its inputs
-    left in L2 by the one before: what a kernel costs on data it has not just touched."""
+def _driver_call(status: int, what: str) -> None:
+    if status != 0:
+        raise CudaError(f"{what} failed (CUresult {status})")
+
+
+def _delay_kernel() -> ctypes.c_void_p:
+    """The delay kernel of the current device (loaded into the context cudart made current on first use)."""
+    global _driver
     device = current_device()
-    if device not in _flush_buffers:
-        nbytes = 2 * l2_bytes(device)
-        _flush_buffers[device] = (malloc(nbytes), nbytes)
-    ptr, nbytes = _flush_buffers[device]
-    timer = Timer()
-    fn(0)  # warm-up: first-launch costs (module load, lazy init) stay out of the samples
-    out = []
-    for i in range(calls):
-        _check(runtime().cudaMemsetAsync(ctypes.c_void_p(ptr), i & 0xFF, nbytes, ctypes.c_void_p(stream)),
-               "cudaMemsetAsync")
-        timer.start(stream)
-        fn(i)
-        timer.stop(stream)
-        out.append(timer.elapsed_ms())
-    return out
+    with _delay_lock:
+        if _driver is None:
+            try:
+                driver = ctypes.CDLL("libcuda.so.1", mode=ctypes.RTLD_LOCAL)
+            except OSError as e:
+                raise CudaError(f"the CUDA driver library (libcuda.so.1) cannot be loaded: {e}") from None
+            vp = ctypes.c_void_p
+            driver.cuModuleLoadData.argtypes = [ctypes.POINTER(vp), ctypes.c_char_p]
+            driver.cuModuleGetFunction.argtypes = [ctypes.POINTER(vp), vp, ctypes.c_char_p]
+            driver.cuLaunchKernel.argtypes = [vp] + [ctypes.c_uint] * 7 + [vp, ctypes.POINTER(vp), vp]
+            _driver = driver
+        if device not in _delay_kernels:
+            _check(runtime().cudaFree(None), "cudaFree")  # makes this device's primary context current
+            module, function = ctypes.c_void_p(), ctypes.c_void_p()
+            _driver_call(_driver.cuModuleLoadData(ctypes.byref(module), _DELAY_PTX), "cuModuleLoadData (delay kernel)")
+            _driver_call(_driver.cuModuleGetFunction(ctypes.byref(function), module, b"td_delay"),
+                         "cuModuleGetFunction (delay kernel)")
+            _delay_kernels[device] = function
+        return _delay_kernels[device]
+
+
+def delay(ms: float, stream: int = 0) -> None:
+    """Queue a kernel on `stream` that keeps it busy for `ms` milliseconds."""
+    function = _delay_kernel()
+    ns = ctypes.c_uint64(int(ms * 1e6))
+    params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(ns), ctypes.c_void_p))
+    _driver_call(_driver.cuLaunchKernel(function, 1, 1, 1, 1, 1, 1, 0, ctypes.c_void_p(stream), params, None),
+                 "cuLaunchKernel (delay kernel)")
+
+
+class QueuedTimer:
+    """Times batches of back-to-back calls on a stream by the GPU's clock alone, whatever the host's pace.
+
+    Each batch waits on the stream behind a delay kernel long enough for the host to queue all its calls (sized from
+    the host's pace in the previous batch, plus half), so the events around the batch time the GPU running the
+    calls back to back: the steady state of a busy stream or a CUDA graph. A host that did not queue the batch
+    within the delay is reported as behind (that batch was timed at the host's pace, in part)."""
+
+    def __init__(self, stream: int = 0):
+        self.stream = stream
+        self._delay, self._batch = Timer(), Timer()
+        self._host_ms = 0.03  # per call: a first guess above a prepared launch's, then measured
+
+    def batch(self, fn: Callable[[], None], calls: int) -> tuple[float, bool]:
+        """(milliseconds per call of `calls` back-to-back calls of fn, whether the host fell behind the GPU)."""
+        delay_ms = min(MAX_DELAY_MS, 1.5 * self._host_ms * calls + 0.02)
+        self._delay.start(self.stream)
+        delay(delay_ms, self.stream)
+        self._delay.stop(self.stream)
+        self._batch.start(self.stream)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        queued_ms = (time.perf_counter() - t0) * 1e3
+        self._batch.stop(self.stream)
+        self._host_ms = queued_ms / calls
+        return self._batch.elapsed_ms() / calls, queued_ms > self._delay.elapsed_ms()
+
+
+def time_queued(fn: Callable[[], None], *, stream: int = 0, batch_ms: float = 0.5, repeats: int = 5,
+                max_calls: int = 10000) -> list[float]:
+    """Milliseconds per call of fn in each of `repeats` queued batches (QueuedTimer) of about batch_ms, sized from
+    the fastest of three single calls; batches the host fell behind on are left out unless all were."""
+    timer = QueuedTimer(stream)
+    fn()  # warm-up: first-launch costs (module load, lazy init) stay out of the samples
+    probe = min(timer.batch(fn, 1)[0] for _ in range(3))
+    calls = max(1, min(max_calls, int(batch_ms / max(probe, 1e-4))))
+    batches = [timer.batch(fn, calls) for _ in range(repeats)]
+    return [ms for ms, behind in batches if not behind] or [ms for ms, _ in batches]

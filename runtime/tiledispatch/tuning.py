@@ -1,4 +1,4 @@
-"""Measured selection (autotune): time the best-ranked few candidates once on the caller's data and
+"""Measured selection (autotune): time the best-ranked few candidates on the caller's data and
 remember the winner, per device, in a persistent JSON file; later selections for the same problem,
 device and candidate set take the remembered kernel without timing anything.
 
@@ -210,13 +210,13 @@ def record(winner: str, times_ms: dict) -> dict:
 
 
 def time_ms(launch: Callable[[], None], device: str, stream: Optional[int]) -> float:
-    """Milliseconds per launch, median of repeated single launches. On a GPU each launch starts with a
-    cold L2 cache (cuda.time_cold_calls), as the benchmarks time kernels on rotated inputs: tuning on data
-    that stays in L2 between repeats would favour kernels that only win when it does."""
+    """Milliseconds per launch in the steady state the caller runs: back-to-back launches on the caller's data,
+    median of batches. On a GPU the batches are queued behind a delay (cuda.time_queued), so the GPU's time is
+    measured even for a kernel shorter than the host's launch: otherwise every such kernel times alike."""
     if device == "cuda":
         from . import cuda
 
-        return statistics.median(cuda.time_cold_calls(lambda i: launch(), stream=stream or 0, calls=11))
+        return statistics.median(cuda.time_queued(launch, stream=stream or 0))
     launch()
     t0 = time.perf_counter()
     launch()

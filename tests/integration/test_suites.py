@@ -459,3 +459,22 @@ def test_runner_versus_models_ranks_the_before_with_other_models(smoke_bundle, t
     assert result["versus_models"] == str(tmp_path / "models")
     changed = [r for r in rows if r["versus"]["kernel"] != r["kernel"]]
     assert changed and all("_ppacked_" in r["versus"]["kernel"] and "_pdirect_" in r["kernel"] for r in changed)
+
+
+def test_runner_autotune_tunes_each_point_on_its_first_call(smoke_bundle, tmp_path, monkeypatch):
+    """--autotune: ours tunes each point on its first public call (a record per point, kept in memory), and the
+    tuned call's output is checked like any other."""
+    from tiledispatch import tuning
+
+    recorded = []
+    put = tuning.TuningCache.put
+    monkeypatch.setattr(tuning.TuningCache, "put", lambda self, *a: (recorded.append(a[1]), put(self, *a)))
+    only = "^(" + "|".join(map(re.escape, smallest_layers())) + ")$"
+    args = ["conv", str(smoke_bundle), "--autotune", "--out", str(tmp_path / "r"), "--device", "cpu", "--batch", "1",
+            "--only", only, "--directions", "fwd"]
+    assert suite_runner.main(args) == 0
+    result = json.loads((tmp_path / "r" / "conv.json").read_text())
+    assert result["autotune"] is True
+    rows = result["rows"]
+    assert rows and all(r["status"] == "ok" for r in rows)
+    assert len(set(recorded)) == len(rows)  # one problem tuned per point
