@@ -289,7 +289,7 @@ def cmd_select(reg, a) -> int:
 def _explain_model(reg, p, fits: list, top: int) -> dict:
     """The learned model's view of the problem: which model (file, version, card), its top `top` kernels with
     their predicted times and, when this device has a tuning record for the problem and these candidates, the
-    measured ones; the candidates the model does not cover (ranked after its own, analytically) and those it
+    measured ones (at the caller's pace, and on a GPU queued: tuning.measure); the candidates the model does not cover (ranked after its own, analytically) and those it
     covers but never saw in training."""
     model = learned.model_of(fits, reg.models)
     if model is None:
@@ -297,7 +297,7 @@ def _explain_model(reg, p, fits: list, top: int) -> dict:
                                       f"{_task(p)}: analytic ranking"}
     covered, rest = learned.split(p, fits, reg.models)
     record = reg.tuning_record(p, fits)
-    measured = (record or {}).get("times_ms", {})
+    measured, on_gpu = ((record or {}).get(field, {}) for field in ("times_ms", "gpu_times_ms"))
     predicted, unit = model.predicted_times(p, [k.key for k in covered], tuple(k.name for k in covered))
     order = sorted(range(len(covered)), key=lambda i: (predicted[i], covered[i].name))[:top]
     return {"model": {"file": learned.model_file(reg.backend, reg.arch, model.task, reg.models),
@@ -307,7 +307,8 @@ def _explain_model(reg, p, fits: list, top: int) -> dict:
                       "target": model.target, "bundle_recorded": (reg.manifest.get("selection_models") or {}).get(
                           model.task)},
             "top": [{"kernel": covered[i].name, f"predicted_{unit}": float(predicted[i]),
-                     "measured_ms": measured.get(covered[i].name)} for i in order],
+                     "measured_ms": measured.get(covered[i].name), "measured_queued_ms": on_gpu.get(covered[i].name)}
+                    for i in order],
             "tuned": None if record is None else {"kernel": record.get("kernel"), "when": record.get("when")},
             "not_covered": [k.name for k in rest], "unseen_in_training": model.unseen([k.key for k in covered])}
 

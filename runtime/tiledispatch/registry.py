@@ -290,7 +290,7 @@ class Registry:
             raise InvalidInputError(f"tuning with beta != 0 restores the output afterwards: pass numpy, torch or "
                                     f"cupy arrays, not {type(operands.out).__name__}")
         saved = arrays.snapshot(operands.out) if keep else None
-        times, launches = {}, {}  # in rank order
+        measured, launches = {}, {}  # in rank order
         for kern in self.ranked(problem, fits)[:max(1, top)]:
             args = bind(self, problem, kern, operands, stream=stream, num_threads=num_threads, **scalars)
 
@@ -300,35 +300,42 @@ class Registry:
                     raise_for_status(kern, status, reason)
 
             try:
-                times[kern.name] = tuning.time_ms(launch, self.device, args.stream)
+                measured[kern.name] = tuning.measure(launch, self.device, args.stream)
             except UnsupportedProblemError:  # refused at launch (e.g. by CUTLASS): not a candidate after all
                 continue
             launches[kern.name] = (launch, args.stream)
-        if not times:
+        if not measured:
             raise UnsupportedProblemError(f"every candidate refused {problem} at launch")
-        winner = self._confirmed_winner(times, launches)
+        winner = self._confirmed_winner(measured, launches)
         if saved is not None:
             arrays.restore(operands.out, saved)
         self.tuning.put(self._identity(), tuning.problem_key(problem, [k.name for k in fits]),
-                        tuning.record(winner, times))
+                        tuning.record(winner, measured))
         self.clear_caches()  # the record changes what "auto" selects
         return self.kernel(winner)
 
-    def _confirmed_winner(self, times: dict, launches: dict) -> str:
-        """The fastest of the timed candidates (times in rank order) if it beats the ranking's pick again, timed
-        twice more interleaved with it, by more than timing noise; else the ranking's pick. Tuning never trades the
-        ranker's choice for a kernel that was only faster by chance. The two kernels' times become the medians."""
-        first, fastest = next(iter(times)), min(times, key=times.get)
-        if fastest == first:
+    def _confirmed_winner(self, measured: dict, launches: dict) -> str:
+        """The ranking's pick (the first of `measured`, in rank order), unless another candidate beats it by more
+        than timing noise (TUNE_MARGIN) in every way tuning.measure timed them (at the caller's pace and, on a GPU,
+        queued), also after timing both twice more, interleaved: tuning never trades the ranker's choice for a
+        kernel that was faster only by chance, or only when the host keeps up. The two kernels' times become the
+        medians of their timings."""
+        first = next(iter(measured))
+
+        def ratio(name: str) -> float:  # the challenger's worst time against the pick's
+            return max(measured[name][how] / measured[first][how] for how in measured[first])
+
+        challenger = min(measured, key=ratio)
+        if challenger == first or ratio(challenger) >= TUNE_MARGIN:
             return first
-        samples = {first: [times[first]], fastest: [times[fastest]]}
+        samples = {first: [measured[first]], challenger: [measured[challenger]]}
         for _ in range(2):
             for name in samples:
                 launch, stream = launches[name]
-                samples[name].append(tuning.time_ms(launch, self.device, stream))
-        for name, ms in samples.items():
-            times[name] = statistics.median(ms)
-        return fastest if times[fastest] < TUNE_MARGIN * times[first] else first
+                samples[name].append(tuning.measure(launch, self.device, stream))
+        for name, taken in samples.items():
+            measured[name] = {how: statistics.median(t[how] for t in taken) for how in taken[0]}
+        return challenger if ratio(challenger) < TUNE_MARGIN else first
 
     def _choose(self, problem, operands, *, stream, num_threads: int, scalars: dict) -> Kernel:
         """The kernel for a launch without a named kernel: a tuning record, else (autotune) a tuning run

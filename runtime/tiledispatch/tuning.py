@@ -204,19 +204,33 @@ def _write_atomically(path: Path, text: str) -> None:
             os.close(dir_fd)
 
 
-def record(winner: str, times_ms: dict) -> dict:
-    return {"kernel": winner, "times_ms": {k: round(v, 6) for k, v in times_ms.items()},
-            "when": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+def record(winner: str, measured: dict) -> dict:
+    """A tuning record: the winner and each candidate's times (measure()'s): "times_ms" at the caller's pace,
+    and on a GPU "gpu_times_ms" queued."""
+    out = {"kernel": winner, "times_ms": {k: round(m["paced"], 6) for k, m in measured.items()}}
+    queued = {k: round(m["queued"], 6) for k, m in measured.items() if "queued" in m}
+    if queued:
+        out["gpu_times_ms"] = queued
+    out["when"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return out
 
 
-def time_ms(launch: Callable[[], None], device: str, stream: Optional[int]) -> float:
-    """Milliseconds per launch in the steady state the caller runs: back-to-back launches on the caller's data,
-    median of batches. On a GPU the batches are queued behind a delay (cuda.time_queued), so the GPU's time is
-    measured even for a kernel shorter than the host's launch: otherwise every such kernel times alike."""
+def measure(launch: Callable[[], None], device: str, stream: Optional[int]) -> dict:
+    """Milliseconds per launch in the steady states a caller runs, each the median of batches of back-to-back
+    launches on the caller's data: "paced", as a loop of calls runs them, the host's cost per launch included (a
+    host-bound caller waits on it, whatever the kernel); on a GPU also "queued", each batch queued behind a delay
+    (cuda.time_queued): the GPU's time alone, as a busy stream or a CUDA graph runs them. Kernels differ in both:
+    a TMA kernel's launch costs the host more than an older kernel's, and on a problem of a few microseconds it
+    can be faster on the GPU and slower in a loop of calls."""
     if device == "cuda":
         from . import cuda
 
-        return statistics.median(cuda.time_queued(launch, stream=stream or 0))
+        stream = stream or 0
+        launch()
+        probe = cuda.time_calls(lambda i: launch(), stream=stream, calls=2, repeats=1, warmup=1)[0]
+        calls = max(1, min(1000, int(PACED_BATCH_MS / max(probe, 1e-4))))
+        paced = cuda.time_calls(lambda i: launch(), stream=stream, calls=calls, repeats=5, warmup=1)
+        return {"paced": statistics.median(paced), "queued": statistics.median(cuda.time_queued(launch, stream=stream))}
     launch()
     t0 = time.perf_counter()
     launch()
@@ -228,4 +242,7 @@ def time_ms(launch: Callable[[], None], device: str, stream: Optional[int]) -> f
         for _ in range(calls):
             launch()
         samples.append((time.perf_counter() - t0) * 1e3 / calls)
-    return statistics.median(samples)
+    return {"paced": statistics.median(samples)}
+
+
+PACED_BATCH_MS = 0.5  # one batch of back-to-back launches at the caller's pace, about this long

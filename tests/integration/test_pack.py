@@ -509,13 +509,13 @@ def test_shipped_tuning_records_are_used_and_the_users_own_win(bundles, cache, t
     identity = tuning.device_identity("cpu")
     shipped = tmp_path / "tuning.json"
     shipped.write_text(json.dumps({"schema": tuning.SCHEMA, "devices": {
-        identity: {key: tuning.record(other, {other: 1.0, default: 2.0})}}}))
+        identity: {key: tuning.record(other, {other: {"paced": 1.0}, default: {"paced": 2.0}})}}}))
     out = tmp_path / "tuned.tdpack"
     manifest = pack.create([bundles["native"]], out, tuning_files=[shipped])
     assert manifest["tuning"] == [{"file": "tuning/tuning.json", "records": 1}]
     assert td.load(out).select(PROBLEM).name == other  # the pack's record for this CPU
     own = tuning.TuningCache(tmp_path / "own.json")
-    own.put(identity, key, tuning.record(default, {default: 1.0}))
+    own.put(identity, key, tuning.record(default, {default: {"paced": 1.0}}))
     assert td.load(out, tuning_cache=own).select(PROBLEM).name == default  # the user's record first
     assert json.loads((tmp_path / "own.json").read_text())["devices"][identity][key]["kernel"] == default
 

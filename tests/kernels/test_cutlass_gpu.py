@@ -212,7 +212,7 @@ def test_numpy_through_device_arrays(registry):
 
 
 def test_autotune_on_the_gpu(registry, tmp_path):
-    """Tuning times candidates with CUDA events on the caller's stream, records the winner under this
+    """Tuning times candidates with CUDA events on the caller's stream (paced and queued), records the winner under this
     GPU's identity, and the result of the tuned call is still right (beta != 0: the output is restored)."""
     from tiledispatch import tuning
 
@@ -230,3 +230,6 @@ def test_autotune_on_the_gpu(registry, tmp_path):
     assert device.startswith("cuda:") and torch.cuda.get_device_name() in device
     (rec,) = devices[device].values()
     assert rec["kernel"] in {k.name for k in reg.kernels} and all(t > 0 for t in rec["times_ms"].values())
+    # timed at the caller's pace and queued (the GPU alone): the queued time is never the longer by much
+    assert set(rec["gpu_times_ms"]) == set(rec["times_ms"])
+    assert all(0 < rec["gpu_times_ms"][k] < 1.1 * rec["times_ms"][k] for k in rec["times_ms"])

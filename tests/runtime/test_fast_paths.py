@@ -437,7 +437,8 @@ def test_tuning_record_and_autotune_changes_empty_the_caches(reg, counts):
         first = reg._launches.values()[0].plan.kernel.name
         assert first == selection.learned(p, fits)[0].name
         last = selection.learned(p, fits)[-1].name
-        reg.tuning.put(reg._identity(), tuning.problem_key(p, [k.name for k in fits]), tuning.record(last, {last: 1.0}))
+        reg.tuning.put(reg._identity(), tuning.problem_key(p, [k.name for k in fits]),
+                       tuning.record(last, {last: {"paced": 1.0}}))
         reg.gemm(a, b, out)  # a record written behind the registry's back: cached until clear_caches()
         assert reg.cache_info()["launches"]["entries"] == 1
         reg.clear_caches()
