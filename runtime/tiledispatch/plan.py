@@ -204,6 +204,11 @@ class Plan:
         """Launch on the tensors prepare() bound."""
         self.launch_pointers(self._ptrs)
 
+    @property
+    def launch_stream(self) -> Optional[int]:
+        """The stream the launch prepare() bound runs on (None on the cpu backend)."""
+        return None if self._args is None else self._args.stream
+
     def launch_pointers(self, ptrs: tuple) -> None:
         """The fast path: the data pointers, in slot order, of tensors whose fingerprints equal the validated
         ones (the caller checked); only pointers that changed since the last launch are checked for overlap

@@ -292,18 +292,15 @@ class Registry:
         saved = arrays.snapshot(operands.out) if keep else None
         measured, launches = {}, {}  # in rank order
         for kern in self.ranked(problem, fits)[:max(1, top)]:
-            args = bind(self, problem, kern, operands, stream=stream, num_threads=num_threads, **scalars)
-
-            def launch(kern=kern, args=args):
-                status, reason = kern.library.run(args)
-                if status != abi.OK:
-                    raise_for_status(kern, status, reason)
-
+            # launched as a prepared call launches it: the host's cost per call is the public fast path's, which
+            # differs by kernel (a TMA kernel's launch encodes descriptors), so a host-bound caller is timed right
+            plan = Plan(self, problem, kern, stream=stream, num_threads=num_threads, **scalars)
             try:
-                measured[kern.name] = tuning.measure(launch, self.device, args.stream)
-            except UnsupportedProblemError:  # refused at launch (e.g. by CUTLASS): not a candidate after all
+                plan.prepare(operands)
+                measured[kern.name] = tuning.measure(plan.launch, self.device, plan.launch_stream)
+            except UnsupportedProblemError:  # refused (e.g. by CUTLASS): not a candidate after all
                 continue
-            launches[kern.name] = (launch, args.stream)
+            launches[kern.name] = (plan.launch, plan.launch_stream)
         if not measured:
             raise UnsupportedProblemError(f"every candidate refused {problem} at launch")
         winner = self._confirmed_winner(measured, launches)

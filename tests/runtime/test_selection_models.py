@@ -320,7 +320,7 @@ def test_tuning_keeps_the_ranked_pick_unless_another_is_faster_beyond_noise(gemm
         timed = []
 
         def fake_measure(launch, device, stream):
-            name = launch.__defaults__[0].name  # the launch closure's kernel
+            name = launch.__self__.kernel.name  # a Plan's launch
             timed.append(name)
             return {how: ms for how, ms in (challenger if name == ranked[1] else pick).items() if how in challenger}
 
