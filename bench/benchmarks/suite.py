@@ -433,20 +433,29 @@ def compare(before: list[dict], after: list[dict]) -> dict:
         for kept, field in ((False, "changed_picks_kernel_speedup"), (True, "kept_picks_kernel_drift")):
             ratios = [b["kernel_ms"] / a["kernel_ms"] for b, a, peer in pairs if (b["kernel"] == a["kernel"]) == kept]
             out[name][field] = geomean(ratios) if ratios else None
+        calls = [b["ours_ms"] / a["ours_ms"] for b, a, peer in pairs if b["kernel"] != a["kernel"]]
+        out[name]["changed_picks_call_speedup"] = geomean(calls) if calls else None
+        out[name]["changed_picks_call_slower"] = sum(r < 1 / SLOWER for r in calls)
     return out
+
+
+SLOWER = 1.05  # a changed pick whose public call got this much slower is counted (noise between runs: a few %)
 
 
 def compare_markdown(result: dict, before: str, after: str) -> str:
     lines = [f"Before: {before}; after: {after}. Peer time (fastest over both runs) / ours, geomean over the points "
              "both runs timed; kernel alone: the selected kernel launched by itself (diagnostic); selected kernel "
              "before / after: its time in the first run over the second's (> 1: the second faster), on the points "
-             "that changed their pick, and on those that kept it (the drift between the runs).", "",
+             "that changed their pick, and on those that kept it (the drift between the runs); their public call "
+             f"before / after, and how many of them got over {SLOWER:g}x slower.", "",
              "| group | points | public call before | after | kernel alone before | after | picks changed "
-             "| their kernel before / after | kept picks' drift |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| their kernel before / after | their call before / after | slower | kept picks' drift |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     cell = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     for name, g in result.items():
         cells = [g["before"], g["after"], g["before_kernel_only"], g["after_kernel_only"], g["picks_changed"],
-                 g["changed_picks_kernel_speedup"], g["kept_picks_kernel_drift"]]
+                 g["changed_picks_kernel_speedup"], g["changed_picks_call_speedup"], g["changed_picks_call_slower"],
+                 g["kept_picks_kernel_drift"]]
         lines.append(f"| {name} | {g['points']} | "
                      + " | ".join(str(v) if isinstance(v, int) else cell(v) for v in cells) + " |")
     return "\n".join(lines) + "\n"

@@ -403,6 +403,7 @@ def test_compare_two_runs_point_by_point(tmp_path):
     assert g["before"] == pytest.approx((0.25 * 1.0) ** 0.5) and g["after"] == pytest.approx((0.5 * 0.8) ** 0.5)
     assert g["picks_changed"] == 1 and g["changed_picks_kernel_speedup"] == pytest.approx(2.0)
     assert g["kept_picks_kernel_drift"] == pytest.approx(0.8)
+    assert g["changed_picks_call_speedup"] == pytest.approx(2.0) and g["changed_picks_call_slower"] == 0
     assert "| fwd dense | 2 |" in (tmp_path / "cmp.md").read_text()
     with pytest.raises(SystemExit):  # no point in common
         suite_runner.main(["compare", str(tmp_path / "before"), str(tmp_path / "before" / "none")])
