@@ -289,8 +289,8 @@ def cmd_select(reg, a) -> int:
 def _explain_model(reg, p, fits: list, top: int) -> dict:
     """The learned model's view of the problem: which model (file, version, card), its top `top` kernels with
     their predicted times and, when this device has a tuning record for the problem and these candidates, the
-    measured ones (at the caller's pace, and on a GPU queued: tuning.measure); the candidates the model does not cover (ranked after its own, analytically) and those it
-    covers but never saw in training."""
+    measured ones (at the caller's pace, and on a GPU queued: tuning.measure); the candidates the model does not
+    cover (ranked after its own, analytically) and those it covers but never saw in training."""
     model = learned.model_of(fits, reg.models)
     if model is None:
         return {"model": None, "why": f"no learned model for {reg.backend}/{reg.arch} "

@@ -20,7 +20,7 @@ from .ops import get as ops_get
 from .ops import conv as conv_op
 from .ops.conv import ConvProblem
 from .ops.gemm import GemmProblem, clamp_pair
-from .plan import _CALLS, BoundedCache, Launcher, Plan, bind, fingerprint, printer_of_type, raise_for_status, stream_now
+from .plan import _CALLS, BoundedCache, Launcher, Plan, fingerprint, printer_of_type, stream_now
 from .errors import BundleError, InvalidInputError, UnsupportedProblemError
 from .spec.key import KernelKey
 
