@@ -34,5 +34,7 @@ def test_gemm_sweep_on_the_gpu(tmp_path):
     metas, rows = sweep.read_store(Path(first["store"]))
     timed = [r for r in rows if r["ms"] is not None]
     assert timed and all(0 < r["ms"] < 100 and r["calls"] >= 1 for r in timed)
+    # timed queued (the GPU alone) and at the host's pace, which can only add the host's gaps
+    assert all(r["timing"] == "queued" and r["paced_ms"] > 0.9 * r["ms"] for r in timed)
     assert metas[0]["machine"]["gpu"] == torch.cuda.get_device_name(0) and metas[0]["machine"]["cudart"]
     assert sweep.sweep([bundle], "gemm", problems, out_dir=tmp_path, workers=1, log=lambda *_: None)["timed"] == 0
