@@ -38,17 +38,7 @@ def test_the_delay_kernel_holds_the_stream_for_the_time_asked():
 
 def paced_ms(fn, calls: int = 200) -> float:
     """Per call of back-to-back calls between events, each queued at the host's pace (no delay in front)."""
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(calls):
-            fn()
-        stop.record()
-        stop.synchronize()
-        samples.append(start.elapsed_time(stop) / calls)
-    return statistics.median(samples)
+    return statistics.median(cuda.time_calls(lambda i: fn(), stream=stream(), calls=calls, repeats=5))
 
 
 def test_a_kernel_shorter_than_its_launch_is_timed_by_the_gpu():
