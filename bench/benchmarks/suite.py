@@ -407,6 +407,9 @@ def group_names(r: dict) -> list[str]:
     return names
 
 
+SLOWER = 1.05  # a changed pick whose public call got this much slower is counted (noise between runs: a few %)
+
+
 def compare(before: list[dict], after: list[dict]) -> dict:
     """Two runs of the same points in one call (e.g. the shipped models, then retrained ones): per group, over the
     points both timed, the geomeans of peer / ours for each (the peer at its fastest over both runs, so the ratio
@@ -438,8 +441,6 @@ def compare(before: list[dict], after: list[dict]) -> dict:
         out[name]["changed_picks_call_slower"] = sum(r < 1 / SLOWER for r in calls)
     return out
 
-
-SLOWER = 1.05  # a changed pick whose public call got this much slower is counted (noise between runs: a few %)
 
 
 def compare_markdown(result: dict, before: str, after: str) -> str:

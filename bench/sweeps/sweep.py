@@ -345,18 +345,7 @@ def _timer(device: str, stream):
     return timed
 
 
-PACED_CALLS = 50  # launches in one paced batch at most: a few microseconds each at the host's pace
-
-
-def paced_ms(fn, stream, calls: int, repeats: int) -> float:
-    """Milliseconds per call of back-to-back calls at the host's pace (no delay in front: a loop of prepared calls,
-    the host's cost per launch included), median of `repeats` batches between CUDA events. Stored beside the queued
-    time ("paced_ms"): a kernel whose launch costs the host more (a TMA kernel's) can be faster on the GPU and slower
-    in a loop of calls on a small problem."""
-    from tiledispatch import cuda
-
-    return statistics.median(cuda.time_calls(lambda i: fn(), stream=stream or 0, calls=calls, repeats=repeats,
-                                             warmup=0))
+PACED_CALLS = 50  # launches in one batch at the host's pace at most: a few microseconds each
 
 
 # batches of one measurement further apart than this: a host stall between launches or a clock dip disturbed it
@@ -426,8 +415,13 @@ def time_problem(bundles: tuple[str, ...], problem_dict: dict, kernel_names: lis
                     break
                 probe = min(samples)
                 timing["retaken"] = True
-            if method:  # also at the caller's pace: the public call's steady state where the host bounds it
-                timing["paced_ms"] = paced_ms(plan.launch, stream, min(calls, PACED_CALLS), settings["repeats"])
+            if method:  # also at the host's pace (a loop of prepared calls, the host's cost per launch included):
+                # a kernel whose launch costs the host more (a TMA kernel's) can be faster on the GPU and slower there
+                from tiledispatch import cuda
+
+                timing["paced_ms"] = statistics.median(cuda.time_paced(
+                    plan.launch, stream=stream or 0, batch_ms=batch_ms, repeats=settings["repeats"],
+                    max_calls=PACED_CALLS))
         except TileDispatchError as e:
             records.append({**record, "ms": None, "refused": f"{type(e).__name__}: {e}"})
             continue

@@ -7,7 +7,7 @@ the one a torch / cupy / nvidia-cuda-runtime wheel ships, else the system's libc
 What the runtime needs and no more: device facts (device_arch), device memory (malloc / free, and a
 persistent workspace per device and stream that only grows), host <-> device copies for numpy
 inputs (DeviceArray), the caller's current stream (current_stream), synchronize, and CUDA events
-for benchmarks and tuning (Timer, time_calls, time_queued).
+for benchmarks and tuning (Timer, time_calls, time_queued, time_paced).
 """
 from __future__ import annotations
 
@@ -495,3 +495,13 @@ def time_queued(fn: Callable[[], None], *, stream: int = 0, batch_ms: float = 0.
     calls = max(1, min(max_calls, int(batch_ms / max(probe, 1e-4))))
     batches = [timer.batch(fn, calls) for _ in range(repeats)]
     return [ms for ms, behind in batches if not behind] or [ms for ms, _ in batches]
+
+
+def time_paced(fn: Callable[[], None], *, stream: int = 0, batch_ms: float = 0.5, repeats: int = 5,
+               max_calls: int = 1000) -> list[float]:
+    """Milliseconds per call of fn in each of `repeats` batches of back-to-back calls at the host's pace (no delay
+    in front: a loop of calls, the host's cost per call included), each about batch_ms, sized from two calls."""
+    fn()  # warm-up, as time_queued's
+    probe = time_calls(lambda i: fn(), stream=stream, calls=2, repeats=1, warmup=0)[0]
+    calls = max(1, min(max_calls, int(batch_ms / max(probe, 1e-4))))
+    return time_calls(lambda i: fn(), stream=stream, calls=calls, repeats=repeats, warmup=0)

@@ -449,14 +449,19 @@ def _what_the_model_sees(key) -> tuple:
 _PACK_MODELS: dict[str, Path] = {}  # file name -> a model a loaded pack carries (loader.py)
 
 
-def model_path(backend: str, arch: str, task: str, models: Optional[Path] = None) -> Path:
-    """The model file for a task (gemm, conv_fwd, conv_bwd_data, conv_bwd_weight): the one in `models` (a folder a
-    registry was loaded with) where it has one, else the runtime's own, else one a loaded pack carries."""
+def _model_places(backend: str, arch: str, task: str, models: Optional[Path]) -> list[str]:
+    """Where a task's model file is looked for, in order: the folder a registry was loaded with (`models`), the
+    runtime's own models, a loaded pack's."""
     name = f"{backend}_{arch}_{task}.json"
-    if models is not None and (Path(models) / name).exists():
-        return Path(models) / name
-    own = MODELS_DIR / name
-    return own if own.exists() or own.name not in _PACK_MODELS else _PACK_MODELS[own.name]
+    places = [os.path.join(MODELS_DIR, name), _PACK_MODELS.get(name)]
+    return [str(place) for place in ([None if models is None else os.path.join(models, name)] + places) if place]
+
+
+def model_path(backend: str, arch: str, task: str, models: Optional[Path] = None) -> Path:
+    """The model file for a task (gemm, conv_fwd, conv_bwd_data, conv_bwd_weight): the first of _model_places that
+    exists, else the runtime's own (absent)."""
+    found = next((place for place in _model_places(backend, arch, task, models) if os.path.exists(place)), None)
+    return Path(found) if found else MODELS_DIR / f"{backend}_{arch}_{task}.json"
 
 
 def model_file(backend: str, arch: str, task: str, models: Optional[Path] = None) -> str:
@@ -482,12 +487,7 @@ def model_for(backend: str, arch: str, task: str, models: Optional[Path] = None)
     retrained into the same folder is read again)."""
     if task not in TASKS:
         return None
-    name = f"{backend}_{arch}_{task}.json"
-    # model_path's order, one stat per place looked at (this runs on every first select of a problem)
-    for path in (None if models is None else os.path.join(models, name), os.path.join(MODELS_DIR, name),
-                 _PACK_MODELS.get(name)):
-        if path is None:
-            continue
+    for path in _model_places(backend, arch, task, models):  # one stat each: this runs on every first select
         try:
             stat = os.stat(path)
         except (FileNotFoundError, NotADirectoryError):

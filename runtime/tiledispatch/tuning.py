@@ -1,5 +1,5 @@
-"""Measured selection (autotune): time the best-ranked few candidates on the caller's data and
-remember the winner, per device, in a persistent JSON file; later selections for the same problem,
+"""Measured selection (autotune): time the best-ranked few candidates on the caller's data (measure) and
+remember the winner (the ranking's pick unless another is faster beyond noise: Registry._confirmed_winner), per device, in a persistent JSON file; later selections for the same problem,
 device and candidate set take the remembered kernel without timing anything.
 
 The file is $TD_TUNING_CACHE, else ~/.cache/tiledispatch/tuning.json ("none" keeps records in memory
@@ -218,19 +218,15 @@ def record(winner: str, measured: dict) -> dict:
 def measure(launch: Callable[[], None], device: str, stream: Optional[int]) -> dict:
     """Milliseconds per launch in the steady states a caller runs, each the median of batches of back-to-back
     launches on the caller's data: "paced", as a loop of calls runs them, the host's cost per launch included (a
-    host-bound caller waits on it, whatever the kernel); on a GPU also "queued", each batch queued behind a delay
+    host-bound caller waits on it, whatever the kernel; cuda.time_paced on a GPU); on a GPU also "queued", each batch queued behind a delay
     (cuda.time_queued): the GPU's time alone, as a busy stream or a CUDA graph runs them. Kernels differ in both:
     a TMA kernel's launch costs the host more than an older kernel's, and on a problem of a few microseconds it
     can be faster on the GPU and slower in a loop of calls."""
     if device == "cuda":
         from . import cuda
 
-        stream = stream or 0
-        launch()
-        probe = cuda.time_calls(lambda i: launch(), stream=stream, calls=2, repeats=1, warmup=1)[0]
-        calls = max(1, min(1000, int(PACED_BATCH_MS / max(probe, 1e-4))))
-        paced = cuda.time_calls(lambda i: launch(), stream=stream, calls=calls, repeats=5, warmup=1)
-        return {"paced": statistics.median(paced), "queued": statistics.median(cuda.time_queued(launch, stream=stream))}
+        return {how: statistics.median(timer(launch, stream=stream or 0))
+                for how, timer in (("paced", cuda.time_paced), ("queued", cuda.time_queued))}
     launch()
     t0 = time.perf_counter()
     launch()
@@ -243,6 +239,3 @@ def measure(launch: Callable[[], None], device: str, stream: Optional[int]) -> d
             launch()
         samples.append((time.perf_counter() - t0) * 1e3 / calls)
     return {"paced": statistics.median(samples)}
-
-
-PACED_BATCH_MS = 0.5  # one batch of back-to-back launches at the caller's pace, about this long

@@ -36,16 +36,16 @@ def test_the_delay_kernel_holds_the_stream_for_the_time_asked():
         assert ms <= start.elapsed_time(stop) < 1.2 * ms + 0.02
 
 
-def paced_ms(fn, calls: int = 200) -> float:
+def paced_ms(fn, batch_ms: float) -> float:
     """Per call of back-to-back calls between events, each queued at the host's pace (no delay in front)."""
-    return statistics.median(cuda.time_calls(lambda i: fn(), stream=stream(), calls=calls, repeats=5))
+    return statistics.median(cuda.time_paced(fn, stream=stream(), batch_ms=batch_ms))
 
 
 def test_a_kernel_shorter_than_its_launch_is_timed_by_the_gpu():
     x = torch.zeros(1, device="cuda")
     fn = lambda: x.add_(1)  # noqa: E731  (a microsecond on the GPU, several on the host)
     queued = statistics.median(cuda.time_queued(fn, stream=stream(), batch_ms=0.5))
-    assert queued < 0.8 * paced_ms(fn)
+    assert queued < 0.8 * paced_ms(fn, 0.5)
 
 
 def test_a_long_kernel_times_the_same_queued_or_paced():
@@ -53,7 +53,7 @@ def test_a_long_kernel_times_the_same_queued_or_paced():
     out = torch.empty_like(a)
     fn = lambda: torch.mm(a, a, out=out)  # noqa: E731
     queued = statistics.median(cuda.time_queued(fn, stream=stream(), batch_ms=2.0))
-    assert 0.9 < queued / paced_ms(fn, calls=20) < 1.1
+    assert 0.9 < queued / paced_ms(fn, 2.0) < 1.1
 
 
 def test_a_host_slower_than_the_delay_is_reported_behind():
