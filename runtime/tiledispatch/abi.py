@@ -60,6 +60,10 @@ def set_tensor(slot: TdTensor, data_ptr: int | None, dtype_code: int, shape, str
         slot.stride[i] = s
 
 
+REASON_BYTES = 512  # the reason buffer of a prepared launch (Plan)
+REASON_BYTES_ARG = ctypes.c_uint64(REASON_BYTES)  # as KernelLibrary.launch takes it
+
+
 class KernelLibrary:
     """One loaded kernel .so. Loading runs no kernel and touches no GPU.
 
@@ -81,6 +85,10 @@ class KernelLibrary:
             raise BundleError(f"{self.path}: not a tiledispatch kernel library: {e}") from None
         self._lib = lib
         self._reason = ctypes.create_string_buffer(512)
+        # td_run again, without argtypes: a prepared launch (Plan) passes exactly (byref(TdArgs), its reason
+        # buffer, REASON_BYTES), and ctypes' per-argument conversion would cost ~0.3 us of every launch
+        self.launch = lib["td_run"]
+        self.launch.restype = ctypes.c_int32
 
     @classmethod
     def from_image(cls, data: bytes, digest: str, path: str | Path) -> "KernelLibrary":

@@ -20,7 +20,7 @@ from .ops import get as ops_get
 from .ops import conv as conv_op
 from .ops.conv import ConvProblem
 from .ops.gemm import GemmProblem, clamp_pair
-from .plan import _CALLS, BoundedCache, Launcher, Plan, fingerprint, printer_of_type, stream_now
+from .plan import _CALLS, BoundedCache, Launcher, Plan, fingerprint, prints3, stream_now
 from .errors import BundleError, InvalidInputError, UnsupportedProblemError
 from .spec.key import KernelKey
 
@@ -408,17 +408,15 @@ class Registry:
             # pointers and the values of alpha and beta (the Launcher checks and swaps those when they change),
             # with the types of the options where equal values of other types (True == 1) must be refused.
             try:
-                fa = (printer_of_type(type(a)) or fingerprint)(a)
-                fb = (printer_of_type(type(b)) or fingerprint)(b)
-                fo = (printer_of_type(type(out)) or fingerprint)(out)
+                (pa, pb, pout), prints = prints3(a, b, out)
                 fc = NO_PRINT if c is None else fingerprint(c)
                 fbias = NO_PRINT if bias is None else fingerprint(bias)
                 key = (_thread_id(), activation, beta != 0, clamp if clamp is NO_CLAMP else
                        (clamp, type(clamp[0]), type(clamp[1])), kernel if kernel is None or type(kernel) is str
                        else kernel.name, stream, type(stream), num_threads, type(num_threads),
                        stream_now(a) if stream is None and self.device != "cpu" else None,
-                       fa[1], fb[1], fc[1], fo[1], fbias[1])
-                ptrs = (fa[0], fb[0], fc[0], fo[0], fbias[0])
+                       prints, fc[1], fbias[1])
+                ptrs = (pa, pb, fc[0], pout, fbias[0])
                 if residuals:
                     rprints = [fingerprint(r) for r in residuals]
                     key += tuple(p[1] for p in rprints)

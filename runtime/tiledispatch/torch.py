@@ -822,12 +822,12 @@ _function_modes = getattr(torch._C, "_is_torch_function_mode_enabled", None)
 _functorch_level = getattr(getattr(torch._C, "_functorch", None), "maybe_current_level", None)
 _PLAIN = frozenset((torch.Tensor, nn.Parameter))
 # without one of these functions (another torch), always torch.ops
-_DIRECT = None not in (_tracing_state, _dispatch_modes, _function_modes, _functorch_level, _profiling)
+_CAN_CALL_DIRECTLY = None not in (_tracing_state, _dispatch_modes, _function_modes, _functorch_level, _profiling)
 
 
 def _eager(a, b, c=None) -> bool:
     """Whether an operator call on these tensors may run its implementation directly (see above)."""
-    return (_DIRECT and not _compiling() and type(a) in _PLAIN and type(b) in _PLAIN
+    return (_CAN_CALL_DIRECTLY and not _compiling() and type(a) in _PLAIN and type(b) in _PLAIN
             and (c is None or type(c) in _PLAIN) and not a.is_meta and not _dispatch_modes() and not _function_modes()
             and _tracing_state() is None and _functorch_level() is None and not _profiling())
 

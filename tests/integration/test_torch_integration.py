@@ -384,6 +384,19 @@ def test_eager_inference_calls_skip_the_dispatcher_and_allocate_once(reg):
     assert "tiledispatch::conv_fwd" in {e.name for e in prof.events()}
 
 
+def test_a_torch_without_the_mode_checks_always_dispatches_through_the_operators(reg, monkeypatch):
+    """Where this torch lacks one of the functions the direct eager path asks whether anything must see the
+    operator (tdt._CAN_CALL_DIRECTLY false), every call goes through torch.ops and still computes the result."""
+    h = tdt.register(reg)
+    x, w = rand(8, 16, seed=44), rand(24, 16, seed=45)
+    monkeypatch.setattr(tdt, "_CAN_CALL_DIRECTLY", False)
+    assert not tdt._eager(x, w)
+    with torch.no_grad():
+        frames, _ = _profiled(lambda: tdt.linear(x, w, registry=h))
+        assert any("torch/_ops.py" in f for f in frames), frames
+        assert rel_err(tdt.linear(x, w, registry=h), F.linear(x, w)) < TOL[torch.float32]
+
+
 class SmallNet(nn.Module):
     """A CNN + MLP: dense, grouped, depthwise and pointwise 2D convolutions, a 1D convolution, Linear layers."""
 

@@ -30,7 +30,7 @@ from ..errors import InvalidInputError, UnsupportedProblemError
 from ..spec.dtypes import DTYPES, dtype
 from ..spec.key import ACTIVATIONS, CONV_LAYOUTS, DIRECTIONS, Epilogue, KernelKey
 from .gemm import _epi, check_size, clamp_pair, real_scalar
-from ..plan import _CALLS, Launcher, fingerprint, printer_of_type, stream_now
+from ..plan import _CALLS, Launcher, fingerprint, prints3, stream_now
 
 _thread_id = threading.get_ident
 
@@ -601,16 +601,13 @@ def run(registry, direction: str, x, w, y, written, options: dict, option_key=_D
     key = launcher = None
     if written is not None:  # the fast path, as Registry.gemm's: a launch prepared by an earlier call
         try:
-            fx = (printer_of_type(type(x)) or fingerprint)(x)
-            fw = (printer_of_type(type(w)) or fingerprint)(w)
-            fy = (printer_of_type(type(y)) or fingerprint)(y)
+            ptrs, prints = prints3(x, w, y)
             beta = options.get("beta", 0.0)
             if option_key is _DERIVE:
                 option_key = options_key(options)
             if option_key is not None:
-                key = (_thread_id(), direction, fx[1], fw[1], fy[1], beta != 0, option_key,
+                key = (_thread_id(), direction, prints, beta != 0, option_key,
                        stream_now(x) if options.get("stream") is None and registry.device != "cpu" else None)
-                ptrs = (fx[0], fw[0], fy[0])
                 bias, residuals = options.get("bias"), options.get("residuals", ())
                 if bias is not None or residuals or "activation" in options:  # the epilogue's arrays, in slot
                     # order after Y (bias None for a kernel without one: its slot stays NULL)
