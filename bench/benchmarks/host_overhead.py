@@ -59,6 +59,7 @@ sys.path.insert(0, str(HERE.parent / "runtime"))
 sys.path.insert(0, str(HERE))
 
 import tiledispatch as td  # noqa: E402
+from tiledispatch import abi  # noqa: E402
 import tiledispatch.torch as tdt  # noqa: E402
 from tiledispatch.ops import conv as conv_op  # noqa: E402
 from tiledispatch.ops import gemm as gemm_op  # noqa: E402
@@ -184,7 +185,7 @@ def raw_call(reg):
     launcher = reg._launches.values()[-1]
     plan = launcher.plan
     run, ref, reason = plan._run, plan._args_ref, plan._reason
-    return (lambda: run(ref, reason, 512)), plan.kernel.name
+    return (lambda: run(ref, reason, abi.REASON_BYTES_ARG)), plan.kernel.name
 
 
 # -- one problem each -------------------------------------------------------------------------------------------

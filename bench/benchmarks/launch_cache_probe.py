@@ -5,14 +5,21 @@ the results of both ways checked against PyTorch in float64.
 
     python bench/benchmarks/launch_cache_probe.py BUNDLE --out results.json
 
-For each kernel of the bundle (conv fwd / bwd_data with tma_ws_conv, GEMM sm90; others are skipped) one small
-problem, so the call is host-bound: the host time per call is the median over 21 rounds of 200 calls (perf_counter,
+For each GEMM and 2D conv fwd / bwd_data kernel of the bundle that runs it (the sm90 GEMM and TMA conv kernels keep a
+launch cache; the others, an implicit-GEMM conv for one, show a launch without it) one small fp16 problem, so the call is host-bound: the host time per call is the median over 21 rounds of 200 calls (perf_counter,
 no synchronization inside a round), the two ways interleaved by round. The public call's alternating way also pays
 the Python fast path's pointer swap; the raw call's difference is the kernel's own.
+
+Beside them, what a launch costs at the least (`floors`, same timing): a ctypes call of the library's td_abi_version
+(no arguments), each kernel's td_can_run on the bound td_args (its checks, no CUDA call), the CUDA driver's
+cuLaunchKernel of an empty kernel through ctypes (tiledispatch.cuda's delay kernel, 0 ns) and PyTorch's own launch
+of an empty kernel (torch.cuda._sleep(0)): where a kernel's raw call lies between them says how much of it is the
+kernel library's own work.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import statistics
 import sys
@@ -26,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shar
 
 from _gpu_common import machine, random_tensor  # noqa: E402
 import tiledispatch as td  # noqa: E402
+from tiledispatch import abi, cuda  # noqa: E402
+from tiledispatch.errors import UnsupportedProblemError  # noqa: E402
 from tiledispatch.ops import conv as conv_op, gemm as gemm_op  # noqa: E402
 from tiledispatch.plan import bind  # noqa: E402
 
@@ -78,13 +87,41 @@ def cases(reg, gen):
 
 
 def raw_call(reg, kern, problem_and_operands):
-    """The kernel's td_run on td_args bound once (the raw C call)."""
+    """The kernel's td_run on td_args bound once (the raw C call, as a prepared launch makes it), and its td_can_run
+    on the same arguments."""
     problem, operands = problem_and_operands
     args = bind(reg, problem, kern, operands)
     status, reason = kern.library.run(args)
     if status:
         raise RuntimeError(f"{kern.name}: td_run status {status}: {reason}")
-    return lambda: kern.library.run(args)
+    ref, reason = ctypes.byref(args), ctypes.create_string_buffer(abi.REASON_BYTES)
+    can_run = kern.library._lib["td_can_run"]
+    can_run.restype = ctypes.c_int32
+    launch = kern.library.launch
+    return (lambda: launch(ref, reason, abi.REASON_BYTES_ARG)), (lambda: can_run(ref, reason, abi.REASON_BYTES_ARG))
+
+
+def median_host_us(fn) -> float:
+    return statistics.median(host_us([fn]) for _ in range(ROUNDS))
+
+
+def launch_floors(lib) -> dict:
+    """Host microseconds of the cheapest calls around a launch (the module docstring's floors)."""
+    floors = {"ctypes_call_us": median_host_us(lib._lib.td_abi_version)}
+    if not torch.cuda.is_available():
+        return floors
+    stream = torch.cuda.current_stream().cuda_stream
+    function = cuda._delay_kernel()
+    driver = ctypes.CDLL("libcuda.so.1", mode=ctypes.RTLD_LOCAL)["cuLaunchKernel"]  # no argtypes: as td_run's entry
+    ns = ctypes.c_uint64(0)
+    params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(ns), ctypes.c_void_p))
+    one, zero, no_extra = ctypes.c_uint(1), ctypes.c_uint(0), ctypes.c_void_p(None)
+    on = ctypes.c_void_p(stream)
+    floors["driver_launch_us"] = median_host_us(
+        lambda: driver(function, one, one, one, one, one, one, zero, on, params, no_extra))
+    floors["torch_launch_us"] = median_host_us(lambda: torch.cuda._sleep(0))
+    sync()
+    return floors
 
 
 def main() -> int:
@@ -96,6 +133,11 @@ def main() -> int:
     gen = torch.Generator(device="cuda" if reg.device == "cuda" else "cpu").manual_seed(7)
     rows = []
     for kern, call, operands, outs, want in cases(reg, gen):
+        try:
+            call(outs[0])
+        except UnsupportedProblemError as e:
+            print(f"skipped {kern.name}: {str(e).splitlines()[0]}", flush=True)
+            continue
         errors = []
         for _ in range(3):  # alternating outputs: each launch's parameters differ from the last one's
             for out in outs:
@@ -109,9 +151,9 @@ def main() -> int:
                 call(out)
             sync()
             errors.append(rel_error(out, want))
-        raw = [raw_call(reg, kern, operands(out)) for out in outs]
+        raw, checks = zip(*(raw_call(reg, kern, operands(out)) for out in outs))
         timed = {"public": ([lambda: call(outs[0])], [lambda: call(outs[0]), lambda: call(outs[1])]),
-                 "raw": ([raw[0]], raw)}
+                 "raw": ([raw[0]], list(raw))}
         row = {"kernel": kern.name, "max_rel_error": max(errors), "ok": max(errors) < 2e-3}
         for path, (repeated, alternating) in timed.items():
             same, other = [], []
@@ -120,10 +162,13 @@ def main() -> int:
                 other.append(host_us(alternating))
             row[f"{path}_host_us_repeated"] = statistics.median(same)
             row[f"{path}_host_us_alternating"] = statistics.median(other)
+        row["can_run_host_us"] = median_host_us(checks[0])
         rows.append(row)
         print(json.dumps(row), flush=True)
-    result = {"machine": machine() if reg.device == "cuda" else None, "bundle": a.bundle, "method": __doc__.split("\n\n")[2].replace("\n", " "),
-              "rows": rows}
+    result = {"machine": machine() if reg.device == "cuda" else None, "bundle": a.bundle,
+              "method": " ".join(__doc__.split("\n\n")[2:4]).replace("\n", " "),
+              "floors": launch_floors(reg.kernels[0].library), "rows": rows}
+    print(json.dumps(result["floors"]), flush=True)
     a.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0 if rows and all(r["ok"] for r in rows) else 1
 

@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU", allow_module_level=True)
 
 import tiledispatch as td  # noqa: E402
+from tiledispatch import abi  # noqa: E402
 from tiledispatch.ops import conv as conv_op  # noqa: E402
 from tiledispatch.ops import gemm as gemm_op  # noqa: E402
 
@@ -114,7 +115,7 @@ def test_cached_calls_cost_microseconds_above_the_raw_call(gemm_reg, conv_reg):
     d = torch.empty(128, 128, dtype=torch.float16, device="cuda")
     gemm_reg.gemm(a, wt.T, out=d)
     plan = gemm_reg._launches.values()[-1].plan
-    raw = host_us(lambda: plan._run(plan._args_ref, plan._reason, 512))
+    raw = host_us(lambda: plan._run(plan._args_ref, plan._reason, abi.REASON_BYTES_ARG))
     cached = host_us(lambda: gemm_reg.gemm(a, wt.T, out=d))
     assert cached - raw <= 10, (cached, raw)
     w = rand(64, 64, 3, 3).contiguous(memory_format=torch.channels_last)
@@ -122,6 +123,6 @@ def test_cached_calls_cost_microseconds_above_the_raw_call(gemm_reg, conv_reg):
     y = torch.empty_like(x)
     conv_reg.conv_fwd(x, w, out=y, stride=1, padding=1, groups=1)
     plan = conv_reg._launches.values()[-1].plan
-    raw = host_us(lambda: plan._run(plan._args_ref, plan._reason, 512))
+    raw = host_us(lambda: plan._run(plan._args_ref, plan._reason, abi.REASON_BYTES_ARG))
     cached = host_us(lambda: conv_reg.conv_fwd(x, w, out=y, stride=1, padding=1, groups=1))
     assert cached - raw <= 10, (cached, raw)
