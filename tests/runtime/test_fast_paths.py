@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import tiledispatch as td
-from tiledispatch import reference, selection, tuning, validation
+from tiledispatch import plan, reference, selection, tuning, validation
 from tiledispatch.ops import conv as conv_op
 from tiledispatch.ops import gemm as gemm_op
 
@@ -403,6 +403,29 @@ def test_caches_are_bounded_and_keep_what_is_used(reg, monkeypatch):
     assert rows == [8, 10, 11]
     for m, (a, out) in arrays.items():
         close(out, reference.gemm(a, b))
+
+
+def test_three_tensor_fingerprints_tell_apart_what_single_ones_do():
+    """plan.prints3, the fast paths' fingerprint of a call's three arrays: torch tensors of one type are read by one
+    function into one flat tuple, anything else by each array's fingerprint(); both forms give the same pointers,
+    tell apart the same changes, and never equal each other."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(15)
+    a, b, c = (torch.from_numpy(rand(rng, (8, 4))) for _ in range(3))
+    ptrs, prints = plan.prints3(a, b, c)
+    assert ptrs == tuple(t.data_ptr() for t in (a, b, c))
+    assert prints == sum((plan.fingerprint(t)[1] for t in (a, b, c)), ())  # flat: the three fingerprints in a row
+    changed = {"stride": a.T.contiguous().T, "shape": a[:4], "dtype": a.double(), "negative bit": torch._neg_view(a),
+               "requires grad": a.clone().requires_grad_(True),
+               "alignment": torch.from_numpy(rand(rng, (33,)))[1:].view(8, 4)}
+    for what, other in changed.items():
+        assert plan.prints3(other, b, c)[1] != prints, what
+    weight = torch.nn.Parameter(c.clone(), requires_grad=False)  # two types: each array's own fingerprint
+    assert plan.prints3(a, b, weight)[1] == tuple(plan.fingerprint(t)[1] for t in (a, b, weight)) != prints
+    x, y, z = (rand(rng, (8, 4)) for _ in range(3))
+    nptrs, nprints = plan.prints3(x, y, z)
+    assert nptrs == tuple(v.ctypes.data for v in (x, y, z))
+    assert nprints == tuple(plan.fingerprint(v)[1] for v in (x, y, z))
 
 
 def test_bounded_cache_evicts_what_was_not_used_since_and_never_what_it_just_put():
