@@ -184,7 +184,9 @@ def test_fwd_and_bwd_data_keep_the_unsplit_kernel(direction):
     for split_only in ("ElementOut", "wgrad_split", "finalize_splits", "SplitParams", "choose_splits"):
         assert split_only not in text
     assert "raise_smem_limit(device, conv_kernel);" in text and "Conv::get_workspace_size(arguments);" in text
-    assert "launch(conv_kernel, Conv::get_grid_shape(params), params, stream);" in text
+    # the launch takes the parameters its launch cache kept (built again only when td_args change)
+    assert "launch(conv_kernel, Conv::get_grid_shape(last.params), last.params, stream);" in text
+    assert "static thread_local TdLastLaunch<typename Conv::Arguments, typename ConvKernel::Params> last;" in text
 
 
 @pytest.mark.parametrize("direction", ["fwd", "bwd_data"])
