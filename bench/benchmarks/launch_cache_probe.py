@@ -5,10 +5,12 @@ the results of both ways checked against PyTorch in float64.
 
     python bench/benchmarks/launch_cache_probe.py BUNDLE --out results.json
 
-For each GEMM and 2D conv fwd / bwd_data kernel of the bundle that runs it (the sm90 GEMM and TMA conv kernels keep a
-launch cache; the others, an implicit-GEMM conv for one, show a launch without it) one small fp16 problem, so the call is host-bound: the host time per call is the median over 21 rounds of 200 calls (perf_counter,
-no synchronization inside a round), the two ways interleaved by round. The public call's alternating way also pays
-the Python fast path's pointer swap; the raw call's difference is the kernel's own.
+Each GEMM and 2D conv fwd / bwd_data kernel of the bundle runs one small fp16 problem (kernels that refuse it are
+skipped). The sm90 GEMM and TMA conv kernels keep a launch cache; the others, such as an implicit-GEMM conv, show a
+launch without one. The problem is small so that the call is host-bound: the host time per call is the median over
+21 rounds of 200 calls (perf_counter, no synchronization inside a round), the two ways interleaved by round. The
+public call's alternating way also pays the Python fast path's pointer swap; the raw call's difference is the
+kernel's own.
 
 Beside them, what a launch costs at the least (`floors`, same timing): a ctypes call of the library's td_abi_version
 (no arguments), each kernel's td_can_run on the bound td_args (its checks, no CUDA call), the CUDA driver's
@@ -76,13 +78,14 @@ def cases(reg, gen):
             x = random_tensor((8, 64, 16, 16), "fp16", gen).to(memory_format=torch.channels_last)
             w = random_tensor((64, 64, 3, 3), "fp16", gen).to(memory_format=torch.channels_last)
             outs = [torch.empty_like(x) for _ in range(2)]
+            geo = {"padding": 1, "groups": 1}
             if sig.direction == "fwd":
-                yield (kern, lambda out, x=x, w=w, k=kern: reg.conv_fwd(x, w, out=out, padding=1, groups=1, kernel=k.name),
-                       lambda out, x=x, w=w: conv_op.operands("fwd", x, w, out, padding=1, groups=1), outs,
+                yield (kern, lambda out, x=x, w=w, k=kern: reg.conv_fwd(x, w, out=out, kernel=k.name, **geo),
+                       lambda out, x=x, w=w: conv_op.operands("fwd", x, w, out, **geo), outs,
                        F.conv2d(x.double(), w.double(), padding=1))
             else:  # dY is x's shape at stride 1, padding 1
-                yield (kern, lambda out, dy=x, w=w, k=kern: reg.conv_bwd_data(dy, w, out=out, padding=1, groups=1, kernel=k.name),
-                       lambda out, dy=x, w=w: conv_op.operands("bwd_data", out, w, dy, padding=1, groups=1), outs,
+                yield (kern, lambda out, dy=x, w=w, k=kern: reg.conv_bwd_data(dy, w, out=out, kernel=k.name, **geo),
+                       lambda out, dy=x, w=w: conv_op.operands("bwd_data", out, w, dy, **geo), outs,
                        torch.nn.grad.conv2d_input(x.shape, w.double(), x.double(), padding=1))
 
 
@@ -94,11 +97,11 @@ def raw_call(reg, kern, problem_and_operands):
     status, reason = kern.library.run(args)
     if status:
         raise RuntimeError(f"{kern.name}: td_run status {status}: {reason}")
-    ref, reason = ctypes.byref(args), ctypes.create_string_buffer(abi.REASON_BYTES)
-    can_run = kern.library._lib["td_can_run"]
+    ref, buffer = ctypes.byref(args), ctypes.create_string_buffer(abi.REASON_BYTES)
+    can_run = kern.library._lib["td_can_run"]  # without argtypes, as KernelLibrary.launch
     can_run.restype = ctypes.c_int32
     launch = kern.library.launch
-    return (lambda: launch(ref, reason, abi.REASON_BYTES_ARG)), (lambda: can_run(ref, reason, abi.REASON_BYTES_ARG))
+    return (lambda: launch(ref, buffer, abi.REASON_BYTES_ARG)), (lambda: can_run(ref, buffer, abi.REASON_BYTES_ARG))
 
 
 def median_host_us(fn) -> float:
