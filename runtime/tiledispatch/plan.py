@@ -116,14 +116,30 @@ def _printer_for(cls) -> Callable[[Any], tuple[int, tuple]]:
         return _numpy_print if _NUMPY_POINTER_OFFSET is not None else _numpy_print_slow
     module = cls.__module__.split(".")[0]
     if module == "torch":
-        _TRIPLE_PRINTERS[cls] = _torch_prints3
+        native = _native_prints() if _reads_natively(cls) else None
+        _TRIPLE_PRINTERS[cls] = native or _torch_prints3
     return {"torch": _torch_print, "cupy": _cupy_print}.get(module, _generic_print)
+
+
+def _reads_natively(cls) -> bool:
+    import torch
+
+    return cls is torch.Tensor or cls is torch.nn.Parameter  # not a subclass: it may redefine its attributes
+
+
+def _native_prints():
+    """The native reader's prints (native/torch_prints.cpp), or None when it is off or cannot be built."""
+    from . import native
+
+    module = native.torch_prints()
+    return None if module is None else module.prints
 
 
 def prints3(a, b, c) -> tuple[tuple, tuple]:
     """(data pointers, fingerprint) of the three arrays of a call (the launch caches' keys take the fingerprint
-    whole). Three torch tensors of one type are read by one function; other arrays by their fingerprint()s, so
-    the two forms never compare equal and a key never mixes them."""
+    whole). Three torch tensors of one type are read by one function: the native reader's (a bytes object) for
+    torch.Tensor and Parameter when it is built, else _torch_prints3's (a flat tuple); other arrays by their
+    fingerprint()s (a tuple of tuples). The three forms never compare equal, so a key never mixes them."""
     cls = type(a)
     if cls is type(b) and cls is type(c):
         triple = _TRIPLE_PRINTERS.get(cls)
@@ -131,7 +147,9 @@ def prints3(a, b, c) -> tuple[tuple, tuple]:
             fingerprint(a)
             triple = _TRIPLE_PRINTERS.get(cls)
         if triple is not None:
-            return triple(a, b, c)
+            found = triple(a, b, c)
+            if found is not None:  # None: the native reader does not take these tensors (e.g. sparse ones)
+                return found
     (pa, fa), (pb, fb), (pc, fc) = fingerprint(a), fingerprint(b), fingerprint(c)
     return (pa, pb, pc), (fa, fb, fc)
 

@@ -405,16 +405,24 @@ def test_caches_are_bounded_and_keep_what_is_used(reg, monkeypatch):
         close(out, reference.gemm(a, b))
 
 
-def test_three_tensor_fingerprints_tell_apart_what_single_ones_do():
+@pytest.mark.parametrize("reader", ["native", "python"])
+def test_three_tensor_fingerprints_tell_apart_what_single_ones_do(reader, monkeypatch):
     """plan.prints3, the fast paths' fingerprint of a call's three arrays: torch tensors of one type are read by one
-    function into one flat tuple, anything else by each array's fingerprint(); both forms give the same pointers,
-    tell apart the same changes, and never equal each other."""
+    function (the native reader's bytes, or one flat tuple), anything else by each array's fingerprint(); the forms
+    give the same pointers, tell apart the same changes, and never equal each other."""
     torch = pytest.importorskip("torch")
+    reads = plan._native_prints() if reader == "native" else plan._torch_prints3
+    assert reads is not None, "the native reader was not built: see the warning and its .failed file"
+    monkeypatch.setitem(plan._TRIPLE_PRINTERS, torch.Tensor, reads)
     rng = np.random.default_rng(15)
     a, b, c = (torch.from_numpy(rand(rng, (8, 4))) for _ in range(3))
     ptrs, prints = plan.prints3(a, b, c)
     assert ptrs == tuple(t.data_ptr() for t in (a, b, c))
-    assert prints == sum((plan.fingerprint(t)[1] for t in (a, b, c)), ())  # flat: the three fingerprints in a row
+    if reader == "python":
+        assert prints == sum((plan.fingerprint(t)[1] for t in (a, b, c)), ())  # flat: the fingerprints in a row
+    else:
+        assert type(prints) is bytes
+    assert plan.prints3(a.clone(), b, c.clone())[1] == prints  # the same metadata (CPU memory is 64-byte aligned)
     changed = {"stride": a.T.contiguous().T, "shape": a[:4], "dtype": a.double(), "negative bit": torch._neg_view(a),
                "requires grad": a.clone().requires_grad_(True),
                "alignment": torch.from_numpy(rand(rng, (33,)))[1:].view(8, 4)}
@@ -584,11 +592,15 @@ def profiled(fn) -> tuple[list, collections.Counter]:
     return frames, methods
 
 
-def test_cached_torch_calls_read_each_tensor_once(reg):
+@pytest.mark.parametrize("reader", ["native", "python"])
+def test_cached_torch_calls_read_each_tensor_once(reg, reader, monkeypatch):
     """The host cost of a cached call with torch tensors, counted rather than timed: each tensor's fingerprint
-    is one data_ptr(), stride() and is_neg() call, and the call runs a fixed handful of Python functions (the
-    entry point, a fingerprint per tensor, the cache lookup and the launch)."""
+    is one data_ptr(), stride() and is_neg() call in Python (none with the native reader), and the call runs a
+    fixed handful of Python functions (the entry point, the fingerprints, the cache lookup and the launch)."""
     torch = pytest.importorskip("torch")
+    reads = plan._native_prints() if reader == "native" else plan._torch_prints3
+    assert reads is not None, "the native reader was not built: see the warning and its .failed file"
+    monkeypatch.setitem(plan._TRIPLE_PRINTERS, torch.Tensor, reads)
     rng = np.random.default_rng(14)
     a, bt = torch.from_numpy(rand(rng, (16, 24))), torch.from_numpy(rand(rng, (32, 24)))
     out = torch.empty((16, 32))
@@ -600,6 +612,6 @@ def test_cached_torch_calls_read_each_tensor_once(reg):
         call()
         call()
         frames, methods = profiled(call)
-        assert methods == {"data_ptr": 3, "stride": 3, "is_neg": 3}, (name, methods)
+        assert methods == ({} if reader == "native" else {"data_ptr": 3, "stride": 3, "is_neg": 3}), (name, methods)
         assert len(frames) <= most_frames, (name, frames)
         assert not any(f.startswith(("arrays.py", "gemm.py:operands", "conv.py:operands")) for f in frames), frames

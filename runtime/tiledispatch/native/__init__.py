@@ -1,0 +1,138 @@
+"""Native helpers of the runtime, compiled on first use for the torch they run with.
+
+torch_prints.cpp reads the fast paths' fingerprints of torch tensors from C++ (plan.prints3 and
+tiledispatch.torch's call keys): about 0.15 us for three tensors where Python's attribute reads take 1.9 us, which
+is a third of a cached public call's host cost. It includes torch's headers, so it is built per torch version,
+by the C++ compiler ($CXX, else c++), the first time a process needs it (about 10-20 s, with a message), into
+$TD_NATIVE_CACHE, else $XDG_CACHE_HOME/tiledispatch/native, else ~/.cache/tiledispatch/native. Every later
+process loads the built file. TD_NATIVE=0 turns it off. When it cannot be built, the reason is kept beside it
+(NAME.failed, which stops further attempts until it is removed) and the Python fingerprints are used: the same
+results, slower.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import shlex
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import Optional
+
+SOURCE = Path(__file__).with_name("torch_prints.cpp")
+MODULE = "_td_torch_prints"  # the name its PyInit function carries
+_LOCK = threading.Lock()
+_LOADED: dict = {}
+
+
+def cache_dir() -> Path:
+    """$TD_NATIVE_CACHE, else $XDG_CACHE_HOME/tiledispatch/native, else ~/.cache/tiledispatch/native."""
+    given = os.environ.get("TD_NATIVE_CACHE")
+    if given:
+        return Path(given)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tiledispatch" / "native"
+
+
+def enabled() -> bool:
+    return os.environ.get("TD_NATIVE", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def torch_prints():
+    """The compiled reader's module (its prints function), built if needed; None when TD_NATIVE=0 or it cannot
+    be built here (warned once, with the reason's file)."""
+    if not enabled():
+        return None
+    with _LOCK:
+        if "torch_prints" not in _LOADED:
+            _LOADED["torch_prints"] = _load_or_build()
+        return _LOADED["torch_prints"]
+
+
+def _build_command(output: Path) -> list[str]:
+    import torch
+    from torch.utils import cpp_extension
+
+    python_include = sysconfig.get_paths()["include"]
+    libs = cpp_extension.library_paths()
+    abi = int(torch.compiled_with_cxx11_abi())
+    return [*shlex.split(os.environ.get("CXX", "c++")), "-O2", "-std=c++17", "-shared", "-fPIC",
+            "-Wno-c++20-extensions", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{python_include}",
+            *(f"-I{p}" for p in cpp_extension.include_paths()), str(SOURCE), "-o", str(output),
+            *(f"-L{p}" for p in libs), *(f"-Wl,-rpath,{p}" for p in libs),
+            "-ltorch_python", "-ltorch", "-ltorch_cpu", "-lc10"]
+
+
+def built_path() -> Path:
+    """Where the reader for this source, torch, Python and compiler is (or would be) built."""
+    import torch
+
+    tag = "\n".join([SOURCE.read_text(), torch.__version__, str(Path(torch.__file__).parent), sys.version,
+                     sysconfig.get_config_var("EXT_SUFFIX") or "", os.environ.get("CXX", "c++")])
+    digest = hashlib.sha256(tag.encode()).hexdigest()[:16]
+    return cache_dir() / f"torch_prints-{digest}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
+
+
+def _load_or_build():
+    target = built_path()
+    failed = target.with_name(target.name + ".failed")
+    if not target.exists():
+        if failed.exists():
+            return None  # warned when it failed; removing the file asks for another attempt
+        reason = _build(target)
+        if reason is not None:
+            try:
+                failed.parent.mkdir(parents=True, exist_ok=True)
+                failed.write_text(reason)
+            except OSError:
+                pass
+            warnings.warn(f"tiledispatch: the native torch fingerprint reader could not be built, so cached calls "
+                          f"use the Python one (slower, same results); the reason is in {failed} (remove it to "
+                          f"try again, or set TD_NATIVE=0)", RuntimeWarning, stacklevel=3)
+            return None
+    return _import(target)
+
+
+def _build(target: Path) -> Optional[str]:
+    """Compile into target (atomically: a process racing this one finds either nothing or the whole file);
+    None on success, else what went wrong."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(suffix=".so", dir=target.parent, prefix=".building-")
+        os.close(fd)
+    except OSError as error:
+        return f"cannot write the cache directory {target.parent}: {error}"
+    try:
+        command = _build_command(Path(temporary))
+        print(f"tiledispatch: compiling the native torch fingerprint reader for torch (once per torch version, "
+              f"about 10-20 s) into {target.parent}", file=sys.stderr, flush=True)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            return f"$ {shlex.join(command)}\nexit status {done.returncode}\n{done.stderr[-4000:]}"
+        os.replace(temporary, target)
+        return None
+    except (OSError, subprocess.SubprocessError, ImportError) as error:
+        return f"{type(error).__name__}: {error}"
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+
+
+def _import(path: Path):
+    """The built module, or None (warned) when it does not load (e.g. a file another torch left)."""
+    try:
+        loader = importlib.machinery.ExtensionFileLoader(MODULE, str(path))
+        spec = importlib.util.spec_from_file_location(MODULE, path, loader=loader)
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+        return module
+    except ImportError as error:
+        warnings.warn(f"tiledispatch: {path} does not load ({error}); cached calls use the Python fingerprint "
+                      f"reader (remove the file to rebuild it)", RuntimeWarning, stacklevel=3)
+        return None

@@ -1,0 +1,99 @@
+"""The native fingerprint reader (runtime/tiledispatch/native): what it reads and refuses, how it is built, cached
+and turned off, and that a build that fails leaves the Python reader in place."""
+import warnings
+
+import numpy as np
+import pytest
+
+from tiledispatch import native, plan
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture
+def prints():
+    found = plan._native_prints()
+    assert found is not None, "the native reader was not built: see the warning and its .failed file"
+    return found
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """native with an empty cache of its own and nothing loaded yet."""
+    monkeypatch.setenv("TD_NATIVE_CACHE", str(tmp_path / "native"))
+    monkeypatch.setattr(native, "_LOADED", {})
+    return tmp_path / "native"
+
+
+def test_reads_pointers_and_tells_apart_every_property_the_checks_read(prints):
+    a = torch.randn(6, 5, dtype=torch.float64)
+    ptrs, base = prints(a, None, a[1:])
+    assert ptrs == (a.data_ptr(), None, a[1:].data_ptr())
+    assert prints(a.clone(), None, a[1:])[1] == base  # equal metadata, other memory: the same fingerprint
+    changed = {"shape": a[:4], "stride": a.T.contiguous().T, "dtype": a.float(), "negative bit": torch._neg_view(a),
+               "requires grad": a.clone().requires_grad_(True), "alignment": torch.randn(31, dtype=torch.float64)[1:].view(6, 5),
+               "rank": a.view(30)}
+    for what, other in changed.items():
+        assert prints(other, None, a[1:])[1] != base, what
+    z = torch.randn(3, dtype=torch.complex64)
+    assert prints(z.conj())[1] != prints(z)[1]
+    assert prints(None, a, a[1:])[1] != base  # where the None stands counts
+    meta = torch.empty(6, 5, dtype=torch.float64, device="meta")
+    assert prints(meta)[1] != prints(a)[1] and prints(meta)[0] == (0,)
+
+
+def test_refuses_what_the_python_path_must_read(prints):
+    class Marked(torch.Tensor):
+        pass
+
+    dense = torch.randn(4, 4)
+    refused = {"a subclass": dense.as_subclass(Marked), "a sparse tensor": dense.to_sparse(),
+               "an array": np.zeros((4, 4)), "a number": 3, "too many dimensions": torch.zeros([1] * 13)}
+    for what, other in refused.items():
+        assert prints(dense, other) is None, what
+    assert prints(*[dense] * 9) is None  # more arguments than it takes
+    assert prints(torch.nn.Parameter(dense, requires_grad=False))[1] == prints(dense)[1]  # a Parameter is a tensor to the checks
+
+
+def test_prints3_of_a_subclass_or_mixed_types_takes_the_python_readers(prints):
+    class Marked(torch.Tensor):  # as torch's own subclasses (e.g. FakeTensor) are: a module under torch
+        __module__ = "torch.testing.marked"
+
+    plan._printer_for(Marked)
+    assert plan._TRIPLE_PRINTERS[Marked] is plan._torch_prints3
+    plain = torch.randn(3, 3)
+    assert type(plan.prints3(plain, plain, plain)[1]) is bytes
+    assert type(plan.prints3(plain, plain, torch.nn.Parameter(plain))[1]) is tuple
+
+
+def test_built_once_into_its_cache_and_loaded_from_there(fresh, capfd):
+    module = native.torch_prints()
+    assert module is not None and native.built_path().exists()
+    assert "compiling the native torch fingerprint reader" in capfd.readouterr().err
+    native._LOADED.clear()  # a new process: loads the file without compiling
+    assert native.torch_prints() is not None
+    assert capfd.readouterr().err == ""
+    assert [p.name for p in fresh.iterdir()] == [native.built_path().name]  # no temporary file left
+
+
+def test_a_failed_build_warns_once_keeps_its_reason_and_falls_back(fresh, monkeypatch):
+    monkeypatch.setenv("CXX", "false")
+    with pytest.warns(RuntimeWarning, match="could not be built"):
+        assert native.torch_prints() is None
+    failed = native.built_path().with_name(native.built_path().name + ".failed")
+    assert "exit status 1" in failed.read_text()
+    native._LOADED.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native.torch_prints() is None  # the reason's file stops another attempt, without a new warning
+    failed.unlink()
+    monkeypatch.setenv("CXX", "c++")  # another compiler: another file, built
+    native._LOADED.clear()
+    assert native.torch_prints() is not None
+
+
+def test_turned_off_by_td_native_0(fresh, monkeypatch):
+    monkeypatch.setenv("TD_NATIVE", "0")
+    assert native.torch_prints() is None
+    assert not fresh.exists()
+
