@@ -116,7 +116,10 @@ def _printer_for(cls) -> Callable[[Any], tuple[int, tuple]]:
         return _numpy_print if _NUMPY_POINTER_OFFSET is not None else _numpy_print_slow
     module = cls.__module__.split(".")[0]
     if module == "torch":
-        native = _native_prints() if _reads_natively(cls) else None
+        global _NATIVE_READER
+        native = None
+        if _reads_natively(cls):
+            native = _NATIVE_READER = _native_prints()
         _TRIPLE_PRINTERS[cls] = native or _torch_prints3
     return {"torch": _torch_print, "cupy": _cupy_print}.get(module, _generic_print)
 
@@ -154,6 +157,18 @@ def prints3(a, b, c) -> tuple[tuple, tuple]:
     return (pa, pb, pc), (fa, fb, fc)
 
 
+def prints_of(arrays) -> tuple[tuple, tuple]:
+    """(data pointers, fingerprints) of a launch's arrays in slot order (None for an empty slot): one native call
+    when they are all plain torch tensors (or None) and the native reader is built, else each array's
+    fingerprint(). The two forms never compare equal."""
+    if _NATIVE_READER is not None:
+        found = _NATIVE_READER(*arrays)
+        if found is not None:
+            return found
+    return tuple(zip(*[(printer_of_type(type(t)) or fingerprint)(t) for t in arrays]))
+
+
+_NATIVE_READER = None  # the native reader's prints, once torch tensors were met and it was built
 _TRIPLE_PRINTERS: dict = {}  # type -> the function that fingerprints three arrays of it at once (prints3)
 _PRINTERS: dict = {}
 # type -> its fingerprint function (None until fingerprint() met the type): the launch caches' callers call
@@ -238,14 +253,14 @@ class Plan:
         prints: their fingerprints in td_args slot order, when the caller has them already."""
         if prints is None:
             try:
-                prints = [(printer_of_type(type(t)) or fingerprint)(t)
-                          for t in self._ops.tensors_in_slot_order(tensors)]
+                ptrs, fingerprints = prints_of(self._ops.tensors_in_slot_order(tensors))
             except Exception:
                 self._ops.operands_for(self.problem, tensors)  # the full checks say what is wrong
                 raise
-        ptrs, fingerprints = zip(*prints)
+        else:
+            ptrs, fingerprints = zip(*prints)
         if self._args is None or fingerprints != self._prints:
-            self._prepare(tensors, prints)
+            self._prepare(tensors, fingerprints)
         self.launch_pointers(ptrs)
 
     def launch(self) -> None:
@@ -275,9 +290,9 @@ class Plan:
         if status != abi.OK:
             self._raise(status)
 
-    def _prepare(self, tensors: dict, prints: list) -> None:
+    def _prepare(self, tensors: dict, fingerprints) -> None:
         self.prepare(self._ops.operands_for(self.problem, tensors))
-        self._prints = tuple(p[1] for p in prints)
+        self._prints = fingerprints
 
     def prepare(self, operands) -> None:
         """Bind operands that passed the op's full checks (the op module's Operands): td_args, the kernel's
