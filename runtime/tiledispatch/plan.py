@@ -131,10 +131,10 @@ def _reads_natively(cls) -> bool:
 
 
 def _native_prints():
-    """The native reader's prints (native/torch_prints.cpp), or None when it is off or cannot be built."""
+    """The native reader's prints (native/torch_fastpath.cpp), or None when it is off or cannot be built."""
     from . import native
 
-    module = native.torch_prints()
+    module = native.torch_fastpath()
     return None if module is None else module.prints
 
 

@@ -56,13 +56,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import selection
+from . import native, selection
 from .errors import InvalidInputError, UnsupportedProblemError
 from .ops import conv as conv_op
 from .ops import conv_as_gemm
 from .ops.conv import ConvProblem
 from .ops.gemm import GemmProblem
-from .plan import _native_prints, _torch_print, last_launcher
+from .plan import _torch_print, last_launcher
 from .registry import NO_CLAMP, Registry
 from .spec.key import ACTIVATIONS, Epilogue
 
@@ -1017,20 +1017,30 @@ def _conv_epilogue_pointers(x, w, y, bias, residuals) -> tuple:  # conv_op.run's
 
 class _FastCall:
     """A remembered call: the Launcher, how its pointers are ordered, and the output to allocate (shape, strides,
-    dtype, device and the pointer alignment its kernel was checked with)."""
-    __slots__ = ("launcher", "pointers", "shape", "strides", "dtype", "device", "align", "alpha", "beta", "grad")
+    dtype, device and the pointer alignment its kernel was checked with; for the native allocation, a meta tensor
+    of that shape, strides and dtype, made on the device of the call's first tensor)."""
+    __slots__ = ("launcher", "pointers", "shape", "strides", "dtype", "device", "align", "alpha", "beta", "grad",
+                 "prototype")
 
-    def __init__(self, launcher, pointers, out: torch.Tensor, grad: bool):
+    def __init__(self, launcher, pointers, out: torch.Tensor, grad: bool, first: torch.Tensor):
         self.launcher, self.pointers, self.grad = launcher, pointers, grad
         self.shape, self.strides, self.dtype, self.device = tuple(out.shape), out.stride(), out.dtype, out.device
         self.align = out.data_ptr() & 15
         self.alpha, self.beta = launcher.alpha, launcher.beta  # the scalars of this call (the Launcher swaps them
         # back if a registry call with other values used it since)
+        self.prototype = None
+        if _NATIVE_EMPTY is not None and out.device == first.device:
+            self.prototype = torch.empty_strided(self.shape, self.strides, dtype=self.dtype, device="meta")
 
-    def __call__(self, pointers: tuple) -> Optional[torch.Tensor]:
-        """The output, computed; None (nothing launched) when the new output's alignment differs."""
-        out = torch.empty_strided(self.shape, self.strides, dtype=self.dtype, device=self.device)
-        p = out.data_ptr()
+    def __call__(self, pointers: tuple, first: torch.Tensor) -> Optional[torch.Tensor]:
+        """The output, computed; None (nothing launched) when the new output's alignment differs. first: the
+        call's first tensor, on the output's device (its fingerprint is part of this call's key)."""
+        made = None if self.prototype is None else _NATIVE_EMPTY(self.prototype, first)
+        if made is None:  # None from the native allocation: torch's own says what went wrong
+            out = torch.empty_strided(self.shape, self.strides, dtype=self.dtype, device=self.device)
+            p = out.data_ptr()
+        else:
+            out, p = made
         if p & 15 != self.align:
             return None
         a, b, bias, residuals = pointers
@@ -1039,16 +1049,22 @@ class _FastCall:
 
 
 _UNRESOLVED = object()
-_NATIVE_PRINTS = _UNRESOLVED  # the native fingerprint reader (plan.prints3's), looked up at the first call
+# the native fast path's functions (native/torch_fastpath.cpp), looked up at the first call; None without it
+_NATIVE_PRINTS = _NATIVE_EMPTY = _UNRESOLVED
+
+
+def _resolve_native() -> None:
+    global _NATIVE_PRINTS, _NATIVE_EMPTY
+    module = native.torch_fastpath()
+    _NATIVE_PRINTS, _NATIVE_EMPTY = (None, None) if module is None else (module.prints, module.empty_like_on)
 
 
 def _fast_key(a, b, bias, residuals: tuple, options: tuple):
     """(key, pointers) of a call that may take the fast path, else (None, None)."""
-    global _NATIVE_PRINTS
     if not _eager(a, b, bias) or _any_autocast():
         return None, None
     if _NATIVE_PRINTS is _UNRESOLVED:
-        _NATIVE_PRINTS = _native_prints()
+        _resolve_native()
     if _NATIVE_PRINTS is not None:
         found = _NATIVE_PRINTS(a, b, bias, *residuals)
         if found is not None:  # else a tensor it does not read (e.g. a subclass residual): the Python path
@@ -1072,7 +1088,7 @@ def _fast_call(handle: int, t: torch.Tensor, key, pointers) -> Optional[torch.Te
     if entry is None or (entry.grad and torch.is_grad_enabled()):
         return None
     try:
-        return entry(pointers)
+        return entry(pointers, t)
     except BaseException:  # the next call takes the full path again, whose checks say what is wrong
         reg._launches.discard(key)
         raise
@@ -1082,7 +1098,7 @@ def _remember(handle: int, t: torch.Tensor, key, out: torch.Tensor, grad: bool) 
     """Keep the call the implementation just made under key, when it launched on the caller's tensors."""
     launch = getattr(_DIRECT, "launch", None)
     if launch is not None and launch[0] is not None:
-        _registry_for(handle, t)._launches.put(key, _FastCall(*launch, out, grad))
+        _registry_for(handle, t)._launches.put(key, _FastCall(*launch, out, grad, t))
 
 
 def _needs_grad(*tensors) -> bool:

@@ -67,11 +67,11 @@ def test_prints3_of_a_subclass_or_mixed_types_takes_the_python_readers(prints):
 
 
 def test_built_once_into_its_cache_and_loaded_from_there(fresh, capfd):
-    module = native.torch_prints()
+    module = native.torch_fastpath()
     assert module is not None and native.built_path().exists()
-    assert "compiling the native torch fingerprint reader" in capfd.readouterr().err
+    assert "compiling the native torch fast path" in capfd.readouterr().err
     native._LOADED.clear()  # a new process: loads the file without compiling
-    assert native.torch_prints() is not None
+    assert native.torch_fastpath() is not None
     assert capfd.readouterr().err == ""
     assert [p.name for p in fresh.iterdir()] == [native.built_path().name]  # no temporary file left
 
@@ -79,21 +79,35 @@ def test_built_once_into_its_cache_and_loaded_from_there(fresh, capfd):
 def test_a_failed_build_warns_once_keeps_its_reason_and_falls_back(fresh, monkeypatch):
     monkeypatch.setenv("CXX", "false")
     with pytest.warns(RuntimeWarning, match="could not be built"):
-        assert native.torch_prints() is None
+        assert native.torch_fastpath() is None
     failed = native.built_path().with_name(native.built_path().name + ".failed")
     assert "exit status 1" in failed.read_text()
     native._LOADED.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert native.torch_prints() is None  # the reason's file stops another attempt, without a new warning
+        assert native.torch_fastpath() is None  # the reason's file stops another attempt, without a new warning
     failed.unlink()
     monkeypatch.setenv("CXX", "c++")  # another compiler: another file, built
     native._LOADED.clear()
-    assert native.torch_prints() is not None
+    assert native.torch_fastpath() is not None
 
 
 def test_turned_off_by_td_native_0(fresh, monkeypatch):
     monkeypatch.setenv("TD_NATIVE", "0")
-    assert native.torch_prints() is None
+    assert native.torch_fastpath() is None
     assert not fresh.exists()
 
+
+
+def test_allocates_the_prototypes_layout_on_the_device_of_like():
+    module = native.torch_fastpath()
+    assert module is not None, "the native module was not built: see the warning and its .failed file"
+    prototype = torch.empty_strided((4, 3, 5), (1, 20, 4), dtype=torch.bfloat16, device="meta")
+    like = torch.randn(2)
+    out, ptr = module.empty_like_on(prototype, like)
+    assert (out.shape, out.stride(), out.dtype, out.device) == ((4, 3, 5), (1, 20, 4), torch.bfloat16, like.device)
+    assert ptr == out.data_ptr() and not out.requires_grad
+    out.fill_(2)  # its memory is its own and writable
+    assert out.float().sum().item() == 120
+    for refused in [(prototype, 3), (np.zeros(2), like), (prototype,)]:
+        assert module.empty_like_on(*refused) is None

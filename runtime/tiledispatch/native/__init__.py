@@ -1,13 +1,13 @@
 """Native helpers of the runtime, compiled on first use for the torch they run with.
 
-torch_prints.cpp reads the fast paths' fingerprints of torch tensors from C++ (plan.prints3 and
-tiledispatch.torch's call keys): about 0.15 us for three tensors where Python's attribute reads take 1.9 us, which
-is a third of a cached public call's host cost. It includes torch's headers, so it is built per torch version,
-by the C++ compiler ($CXX, else c++), the first time a process needs it (about 10-20 s, with a message), into
-$TD_NATIVE_CACHE, else $XDG_CACHE_HOME/tiledispatch/native, else ~/.cache/tiledispatch/native. Every later
-process loads the built file. TD_NATIVE=0 turns it off. When it cannot be built, the reason is kept beside it
-(NAME.failed, which stops further attempts until it is removed) and the Python fingerprints are used: the same
-results, slower.
+torch_fastpath.cpp does the torch fast paths' per-call work on the at::Tensor behind each Python tensor: the
+fingerprints of a call's tensors (plan.prints3, Plan and tiledispatch.torch's call keys; about 0.15 us for three
+tensors where Python's attribute reads take 1.9 us, a third of a cached public call's host cost) and the eager
+operators' output allocation. It includes torch's headers, so it is built per torch version, by the C++ compiler
+($CXX, else c++), the first time a process needs it (about 10-20 s, with a message), into $TD_NATIVE_CACHE, else
+$XDG_CACHE_HOME/tiledispatch/native, else ~/.cache/tiledispatch/native. Every later process loads the built file.
+TD_NATIVE=0 turns it off. When it cannot be built, the reason is kept beside it (NAME.failed, which stops further
+attempts until it is removed) and the Python paths are used: the same results, slower.
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-SOURCE = Path(__file__).with_name("torch_prints.cpp")
-MODULE = "_td_torch_prints"  # the name its PyInit function carries
+SOURCE = Path(__file__).with_name("torch_fastpath.cpp")
+MODULE = "_td_torch_fastpath"  # the name its PyInit function carries
 _LOCK = threading.Lock()
 _LOADED: dict = {}
 
@@ -44,15 +44,15 @@ def enabled() -> bool:
     return os.environ.get("TD_NATIVE", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
-def torch_prints():
-    """The compiled reader's module (its prints function), built if needed; None when TD_NATIVE=0 or it cannot
-    be built here (warned once, with the reason's file)."""
+def torch_fastpath():
+    """The compiled module (prints, empty_like_on), built if needed; None when TD_NATIVE=0 or it cannot be built
+    here (warned once, with the reason's file)."""
     if not enabled():
         return None
     with _LOCK:
-        if "torch_prints" not in _LOADED:
-            _LOADED["torch_prints"] = _load_or_build()
-        return _LOADED["torch_prints"]
+        if "torch_fastpath" not in _LOADED:
+            _LOADED["torch_fastpath"] = _load_or_build()
+        return _LOADED["torch_fastpath"]
 
 
 def _build_command(output: Path) -> list[str]:
@@ -70,13 +70,13 @@ def _build_command(output: Path) -> list[str]:
 
 
 def built_path() -> Path:
-    """Where the reader for this source, torch, Python and compiler is (or would be) built."""
+    """Where the module for this source, torch, Python and compiler is (or would be) built."""
     import torch
 
     tag = "\n".join([SOURCE.read_text(), torch.__version__, str(Path(torch.__file__).parent), sys.version,
                      sysconfig.get_config_var("EXT_SUFFIX") or "", os.environ.get("CXX", "c++")])
     digest = hashlib.sha256(tag.encode()).hexdigest()[:16]
-    return cache_dir() / f"torch_prints-{digest}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
+    return cache_dir() / f"torch_fastpath-{digest}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
 
 
 def _load_or_build():
@@ -92,8 +92,8 @@ def _load_or_build():
                 failed.write_text(reason)
             except OSError:
                 pass
-            warnings.warn(f"tiledispatch: the native torch fingerprint reader could not be built, so cached calls "
-                          f"use the Python one (slower, same results); the reason is in {failed} (remove it to "
+            warnings.warn(f"tiledispatch: the native torch fast path could not be built, so cached calls use "
+                          f"the Python one (slower, same results); the reason is in {failed} (remove it to "
                           f"try again, or set TD_NATIVE=0)", RuntimeWarning, stacklevel=3)
             return None
     return _import(target)
@@ -110,8 +110,8 @@ def _build(target: Path) -> Optional[str]:
         return f"cannot write the cache directory {target.parent}: {error}"
     try:
         command = _build_command(Path(temporary))
-        print(f"tiledispatch: compiling the native torch fingerprint reader for torch (once per torch version, "
-              f"about 10-20 s) into {target.parent}", file=sys.stderr, flush=True)
+        print(f"tiledispatch: compiling the native torch fast path (once per torch version, about 10-20 s) "
+              f"into {target.parent}", file=sys.stderr, flush=True)
         done = subprocess.run(command, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             return f"$ {shlex.join(command)}\nexit status {done.returncode}\n{done.stderr[-4000:]}"
@@ -133,6 +133,6 @@ def _import(path: Path):
         loader.exec_module(module)
         return module
     except ImportError as error:
-        warnings.warn(f"tiledispatch: {path} does not load ({error}); cached calls use the Python fingerprint "
-                      f"reader (remove the file to rebuild it)", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"tiledispatch: {path} does not load ({error}); cached calls use the Python fast path "
+                      f"(remove the file to rebuild it)", RuntimeWarning, stacklevel=3)
         return None
