@@ -14,6 +14,8 @@
 // torch.empty_strided then raises torch's own error (e.g. torch.OutOfMemoryError).
 #include <Python.h>
 
+#include <ATen/ops/empty_strided.h>
+#include <c10/core/TensorOptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 namespace {
