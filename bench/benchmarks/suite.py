@@ -622,11 +622,11 @@ def main(argv=None) -> int:
         result = compare(before, after)
         if not result:
             ap.error(f"{' and '.join(a.bundles)}: no timed point in both")
-        out = a.out or Path(a.bundles[-1]).parent / "compare"
-        out.with_suffix(".json").write_text(json.dumps({"before": labels[0], "after": labels[1],
-                                                        "groups": result}, indent=1) + "\n")
-        out.with_suffix(".md").write_text(compare_markdown(result, *labels))
-        print(out.with_suffix(".md").read_text())
+        stem = a.out or Path(a.bundles[-1]).parent / "compare"  # a stem: a dot in it (run.1) is kept
+        stem.with_name(stem.name + ".json").write_text(json.dumps({"before": labels[0], "after": labels[1],
+                                                                   "groups": result}, indent=1) + "\n")
+        stem.with_name(stem.name + ".md").write_text(compare_markdown(result, *labels))
+        print(stem.with_name(stem.name + ".md").read_text())
         return 0
     if a.suite == "report":
         paths = sorted(p for d in a.bundles for p in Path(d).glob("*.jsonl"))
