@@ -1029,7 +1029,7 @@ class _FastCall:
         self.alpha, self.beta = launcher.alpha, launcher.beta  # the scalars of this call (the Launcher swaps them
         # back if a registry call with other values used it since)
         self.prototype = None
-        if _NATIVE_EMPTY is not None and out.device == first.device:
+        if callable(_NATIVE_EMPTY) and out.device == first.device:  # resolved, and built
             self.prototype = torch.empty_strided(self.shape, self.strides, dtype=self.dtype, device="meta")
 
     def __call__(self, pointers: tuple, first: torch.Tensor) -> Optional[torch.Tensor]:

@@ -349,6 +349,7 @@ def test_eager_inference_calls_skip_the_dispatcher_and_allocate_once(reg, reader
     assert native is not None or reader == "python", "the native reader was not built: see its .failed file"
     monkeypatch.setattr(tdt, "_NATIVE_PRINTS", native)
     monkeypatch.setattr(tdt, "_NATIVE_EMPTY", native and td.native.torch_fastpath().empty_like_on)
+    plan.fingerprint(torch.zeros(1))  # the type met (its printers registered), so that the patch is undone to them
     monkeypatch.setitem(plan._TRIPLE_PRINTERS, torch.Tensor, native or plan._torch_prints3)
     h = tdt.register(reg)
     x, w = rand(8, 16, seed=40), rand(24, 16, seed=41)

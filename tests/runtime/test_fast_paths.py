@@ -405,15 +405,22 @@ def test_caches_are_bounded_and_keep_what_is_used(reg, monkeypatch):
         close(out, reference.gemm(a, b))
 
 
-@pytest.mark.parametrize("reader", ["native", "python"])
-def test_three_tensor_fingerprints_tell_apart_what_single_ones_do(reader, monkeypatch):
+@pytest.fixture(params=["native", "python"])
+def reader(request, monkeypatch) -> str:
+    """The torch tests below run twice: with the native fingerprint reader and with the Python one."""
+    torch = pytest.importorskip("torch")
+    reads = plan._native_prints() if request.param == "native" else plan._torch_prints3
+    assert reads is not None, "the native reader was not built: see the warning and its .failed file"
+    plan.fingerprint(torch.zeros(1))  # the type met (its printers registered), so that the patch is undone to them
+    monkeypatch.setitem(plan._TRIPLE_PRINTERS, torch.Tensor, reads)
+    return request.param
+
+
+def test_three_tensor_fingerprints_tell_apart_what_single_ones_do(reader):
     """plan.prints3, the fast paths' fingerprint of a call's three arrays: torch tensors of one type are read by one
     function (the native reader's bytes, or one flat tuple), anything else by each array's fingerprint(); the forms
     give the same pointers, tell apart the same changes, and never equal each other."""
     torch = pytest.importorskip("torch")
-    reads = plan._native_prints() if reader == "native" else plan._torch_prints3
-    assert reads is not None, "the native reader was not built: see the warning and its .failed file"
-    monkeypatch.setitem(plan._TRIPLE_PRINTERS, torch.Tensor, reads)
     rng = np.random.default_rng(15)
     a, b, c = (torch.from_numpy(rand(rng, (8, 4))) for _ in range(3))
     ptrs, prints = plan.prints3(a, b, c)
@@ -592,15 +599,11 @@ def profiled(fn) -> tuple[list, collections.Counter]:
     return frames, methods
 
 
-@pytest.mark.parametrize("reader", ["native", "python"])
-def test_cached_torch_calls_read_each_tensor_once(reg, reader, monkeypatch):
+def test_cached_torch_calls_read_each_tensor_once(reg, reader):
     """The host cost of a cached call with torch tensors, counted rather than timed: each tensor's fingerprint
     is one data_ptr(), stride() and is_neg() call in Python (none with the native reader), and the call runs a
     fixed handful of Python functions (the entry point, the fingerprints, the cache lookup and the launch)."""
     torch = pytest.importorskip("torch")
-    reads = plan._native_prints() if reader == "native" else plan._torch_prints3
-    assert reads is not None, "the native reader was not built: see the warning and its .failed file"
-    monkeypatch.setitem(plan._TRIPLE_PRINTERS, torch.Tensor, reads)
     rng = np.random.default_rng(14)
     a, bt = torch.from_numpy(rand(rng, (16, 24))), torch.from_numpy(rand(rng, (32, 24)))
     out = torch.empty((16, 32))
