@@ -31,8 +31,8 @@ def test_reads_pointers_and_tells_apart_every_property_the_checks_read(prints):
     assert ptrs == (a.data_ptr(), None, a[1:].data_ptr())
     assert prints(a.clone(), None, a[1:])[1] == base  # equal metadata, other memory: the same fingerprint
     changed = {"shape": a[:4], "stride": a.T.contiguous().T, "dtype": a.float(), "negative bit": torch._neg_view(a),
-               "requires grad": a.clone().requires_grad_(True), "alignment": torch.randn(31, dtype=torch.float64)[1:].view(6, 5),
-               "rank": a.view(30)}
+               "requires grad": a.clone().requires_grad_(True),
+               "alignment": torch.randn(31, dtype=torch.float64)[1:].view(6, 5), "rank": a.view(30)}
     for what, other in changed.items():
         assert prints(other, None, a[1:])[1] != base, what
     z = torch.randn(3, dtype=torch.complex64)
@@ -52,7 +52,8 @@ def test_refuses_what_the_python_path_must_read(prints):
     for what, other in refused.items():
         assert prints(dense, other) is None, what
     assert prints(*[dense] * 9) is None  # more arguments than it takes
-    assert prints(torch.nn.Parameter(dense, requires_grad=False))[1] == prints(dense)[1]  # a Parameter is a tensor to the checks
+    # a Parameter is a tensor to the checks
+    assert prints(torch.nn.Parameter(dense, requires_grad=False))[1] == prints(dense)[1]
 
 
 def test_prints3_of_a_subclass_or_mixed_types_takes_the_python_readers(prints):
