@@ -6,6 +6,7 @@ python -m tiledispatch pack BUNDLE [BUNDLE ...] -o NAME.tdpack [--sign KEYFILE] 
 python -m tiledispatch keygen KEYFILE        (writes KEYFILE, private, and KEYFILE.pub)
 python -m tiledispatch extract NAME.tdpack [--trust PUBLIC_KEY]   (the checked bundle directories, e.g. for C++)
 python -m tiledispatch wheel NAME.tdpack [-o DIR] [--name NAME] [--version X.Y.Z]
+python -m tiledispatch native     (builds the native torch fast path into its cache now; README, "Repeated calls")
 
 Exit status: 0 success; 1 validation failed (run --validate); 2 any error, printed as
 {"status": "error", "error": TYPE, "message": ...}; 141 (128 + SIGPIPE, as a shell reports for a tool
@@ -451,6 +452,13 @@ def cmd_wheel(a) -> int:
     return 0
 
 
+def cmd_native(a) -> int:
+    from . import native
+
+    _print(native.build_now())
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="python -m tiledispatch", description=__doc__,
                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -490,6 +498,8 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("-o", "--output", default=".", help="directory for the wheel (default: .)")
     sp.add_argument("--name", help="the name td.load finds it by (default: the pack file's name without .tdpack)")
     sp.add_argument("--version", default="1.0.0", help="the wheel's version (default: 1.0.0)")
+    sp = sub.add_parser("native", help="build the native torch fast path now (else the first torch call builds it)")
+    sp.set_defaults(fn=cmd_native, standalone=True)
     return ap
 
 

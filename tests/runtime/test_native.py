@@ -1,11 +1,12 @@
 """The native fingerprint reader (runtime/tiledispatch/native): what it reads and refuses, how it is built, cached
 and turned off, and that a build that fails leaves the Python reader in place."""
+import json
 import warnings
 
 import numpy as np
 import pytest
 
-from tiledispatch import native, plan
+from tiledispatch import cli, native, plan
 
 torch = pytest.importorskip("torch")
 
@@ -67,17 +68,27 @@ def test_prints3_of_a_subclass_or_mixed_types_takes_the_python_readers(prints):
     assert type(plan.prints3(plain, plain, torch.nn.Parameter(plain))[1]) is tuple
 
 
-def test_built_once_into_its_cache_and_loaded_from_there(fresh, capfd):
-    module = native.torch_fastpath()
-    assert module is not None and native.built_path().exists()
-    assert "compiling the native torch fast path" in capfd.readouterr().err
+def run_cli(capsys, *argv) -> tuple[int, dict, str]:
+    """(exit status, the JSON printed, what went to stderr)."""
+    code = cli.main(list(argv))
+    printed = capsys.readouterr()
+    return code, json.loads(printed.out), printed.err
+
+
+def test_built_once_into_its_cache_and_loaded_from_there(fresh, capsys):
+    """`python -m tiledispatch native` builds it (as the first torch call would); later processes load the file."""
+    code, out, err = run_cli(capsys, "native")
+    assert code == 0 and out["native"] == "built" and out["path"] == str(native.built_path())
+    assert "compiling the native torch fast path" in err
+    assert native.built_path().exists() and native.torch_fastpath() is not None
+    assert [p.name for p in fresh.iterdir()] == [native.built_path().name]  # no temporary file left
     native._LOADED.clear()  # a new process: loads the file without compiling
     assert native.torch_fastpath() is not None
-    assert capfd.readouterr().err == ""
-    assert [p.name for p in fresh.iterdir()] == [native.built_path().name]  # no temporary file left
+    assert "compiling" not in capsys.readouterr().err
+    assert run_cli(capsys, "native") == (0, {**out, "native": "loaded"}, "")
 
 
-def test_a_failed_build_warns_once_keeps_its_reason_and_falls_back(fresh, monkeypatch):
+def test_a_failed_build_warns_once_keeps_its_reason_and_falls_back(fresh, monkeypatch, capsys):
     monkeypatch.setenv("CXX", "false")
     with pytest.warns(RuntimeWarning, match="could not be built"):
         assert native.torch_fastpath() is None
@@ -87,17 +98,17 @@ def test_a_failed_build_warns_once_keeps_its_reason_and_falls_back(fresh, monkey
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert native.torch_fastpath() is None  # the reason's file stops another attempt, without a new warning
-    failed.unlink()
-    monkeypatch.setenv("CXX", "c++")  # another compiler: another file, built
-    native._LOADED.clear()
-    assert native.torch_fastpath() is not None
+    capsys.readouterr()
+    code, out, err = run_cli(capsys, "native")  # an explicit request tries again, and says why it failed
+    assert code == cli.EXIT_ERROR and out["error"] == "RuntimeError" and "exit status 1" in out["message"]
+    assert "compiling" in err and failed.exists()  # it compiled again, and kept the new reason
 
 
-def test_turned_off_by_td_native_0(fresh, monkeypatch):
+def test_turned_off_by_td_native_0(fresh, monkeypatch, capsys):
     monkeypatch.setenv("TD_NATIVE", "0")
     assert native.torch_fastpath() is None
+    assert run_cli(capsys, "native") == (0, {"native": "off", "why": "TD_NATIVE turns it off"}, "")
     assert not fresh.exists()
-
 
 
 def test_allocates_the_prototypes_layout_on_the_device_of_like():

@@ -136,3 +136,27 @@ def _import(path: Path):
         warnings.warn(f"tiledispatch: {path} does not load ({error}); cached calls use the Python fast path "
                       f"(remove the file to rebuild it)", RuntimeWarning, stacklevel=3)
         return None
+
+
+def build_now() -> dict:
+    """Build (or find) the native module now, as `python -m tiledispatch native` does: for an image or a shared
+    machine, so that no later process compiles. An explicit request tries again where an earlier attempt failed.
+    RuntimeError with the compiler's complaint when it cannot be built."""
+    if not enabled():
+        return {"native": "off", "why": "TD_NATIVE turns it off"}
+    import torch
+
+    target = built_path()
+    failed = target.with_name(target.name + ".failed")
+    with _LOCK:
+        if failed.exists():
+            failed.unlink()
+        _LOADED.pop("torch_fastpath", None)
+    existed = target.exists()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the reason is raised below
+        module = torch_fastpath()
+    if module is None:
+        reason = failed.read_text() if failed.exists() else f"{target} does not load"
+        raise RuntimeError(f"the native torch fast path could not be built: {reason}")
+    return {"native": "loaded" if existed else "built", "path": str(target), "torch": torch.__version__}
