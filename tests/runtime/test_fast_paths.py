@@ -4,7 +4,9 @@ beta), and stays right; a change of shape, strides, dtype or epilogue is checked
 pointers are checked for overlap and writability; the caches are bounded and emptied when the tuning record or
 autotune change. cpu backend, numpy arrays."""
 import collections
+import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -618,3 +620,25 @@ def test_cached_torch_calls_read_each_tensor_once(reg, reader):
         assert methods == ({} if reader == "native" else {"data_ptr": 3, "stride": 3, "is_neg": 3}), (name, methods)
         assert len(frames) <= most_frames, (name, frames)
         assert not any(f.startswith(("arrays.py", "gemm.py:operands", "conv.py:operands")) for f in frames), frames
+
+
+def test_numpy_calls_neither_import_torch_nor_build_the_native_path(reg, tmp_path):
+    """The native fast path is for torch tensors: a process that only passes numpy arrays never imports torch
+    (seconds of startup) nor compiles anything."""
+    script = (
+        "import sys, numpy as np, tiledispatch as td\n"
+        "from tiledispatch import native\n"
+        f"reg = td.load({str(reg.source)!r})\n"
+        "rng = np.random.default_rng(3)\n"
+        "a, w = rng.random((9, 24), np.float32), rng.random((32, 24), np.float32)\n"
+        "out = np.empty((9, 32), np.float32)\n"
+        "for _ in range(3):\n"
+        "    reg.gemm(a, w.T, out)\n"
+        "    reg.plan(reg.select_problem if False else None) if False else None\n"
+        "assert np.allclose(out, a @ w.T, rtol=1e-4), 'wrong result'\n"
+        "assert 'torch' not in sys.modules and not native._LOADED, sorted(m for m in sys.modules if 'torch' in m)\n"
+    )
+    env = {**os.environ, "TD_NATIVE_CACHE": str(tmp_path / "native")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert not (tmp_path / "native").exists()
