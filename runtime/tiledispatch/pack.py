@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Iterable, Optional, Union
 
 from . import abi, bundle, learned, tuning as tuning_mod
+from .caches import user_cache_dir
 from .errors import BundleError
 
 SUFFIX = ".tdpack"
@@ -193,11 +194,7 @@ def _write_archive(output: Path, members: list) -> None:
 # -- reading --------------------------------------------------------------------------------------
 def cache_root() -> Path:
     """$TD_PACK_CACHE, else $XDG_CACHE_HOME/tiledispatch/packs, else ~/.cache/tiledispatch/packs."""
-    value = os.environ.get("TD_PACK_CACHE")
-    if value:
-        return Path(value)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "tiledispatch" / "packs"
+    return user_cache_dir("TD_PACK_CACHE", "packs")
 
 
 class Pack:

@@ -1,13 +1,13 @@
 """Native helpers of the runtime, compiled on first use for the torch they run with.
 
 torch_fastpath.cpp does the torch fast paths' per-call work on the at::Tensor behind each Python tensor: the
-fingerprints of a call's tensors (plan.prints3, Plan and tiledispatch.torch's call keys; about 0.15 us for three
-tensors where Python's attribute reads take 1.9 us, a third of a cached public call's host cost) and the eager
-operators' output allocation. It includes torch's headers, so it is built per torch version, by the C++ compiler
-($CXX, else c++), the first time a process needs it (about 10-20 s, with a message), into $TD_NATIVE_CACHE, else
-$XDG_CACHE_HOME/tiledispatch/native, else ~/.cache/tiledispatch/native. Every later process loads the built file.
-TD_NATIVE=0 turns it off. When it cannot be built, the reason is kept beside it (NAME.failed, which stops further
-attempts until it is removed) and the Python paths are used: the same results, slower.
+fingerprints of a call's tensors (plan.prints3, Plan and tiledispatch.torch's call keys) and the eager operators'
+output allocation, about 2 us less host time per cached call (bench/results/native_fastpath_cpu/ and _h200/). It
+includes torch's headers, so it is built per torch version, by the C++ compiler ($CXX, else c++), the first time a
+process needs it (about 10-20 s, with a message), into $TD_NATIVE_CACHE, else $XDG_CACHE_HOME/tiledispatch/native,
+else ~/.cache/tiledispatch/native. Every later process loads the built file. TD_NATIVE=0 turns it off. When it
+cannot be built, the reason is kept beside it (NAME.failed, which stops further attempts until it is removed) and
+the Python paths are used: the same results, slower.
 """
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
+from ..caches import user_cache_dir
+
 SOURCE = Path(__file__).with_name("torch_fastpath.cpp")
 MODULE = "_td_torch_fastpath"  # the name its PyInit function carries
 _LOCK = threading.Lock()
@@ -33,11 +35,7 @@ _LOADED: dict = {}
 
 def cache_dir() -> Path:
     """$TD_NATIVE_CACHE, else $XDG_CACHE_HOME/tiledispatch/native, else ~/.cache/tiledispatch/native."""
-    given = os.environ.get("TD_NATIVE_CACHE")
-    if given:
-        return Path(given)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "tiledispatch" / "native"
+    return user_cache_dir("TD_NATIVE_CACHE", "native")
 
 
 def enabled() -> bool:

@@ -1,17 +1,17 @@
 // The torch fast paths' per-call work in C++, on the at::Tensor behind each Python tensor.
 //
 // prints(*tensors) -> (pointers, fingerprint) or None: the fingerprints of plan.prints3, Plan and
-// tiledispatch.torch's call keys. Python's attribute reads cost ~0.6 us per tensor; these ~0.05 us. An argument is
-// a torch.Tensor or torch.nn.Parameter (not a subclass: a subclass may redefine what its attributes mean) or None.
-// The fingerprint is a bytes object holding, per argument, everything the full checks read: ndim, sizes, strides,
-// dtype, device type and index, the pointer's alignment, requires_grad and the lazy negation and conjugation bits
-// (None: one entry, -1). None comes back for anything else (a subclass, a sparse or storage-less tensor, too many
-// dimensions): the caller then takes the Python path, whose fingerprints are tuples and so never equal these.
+// tiledispatch.torch's call keys, without Python's seven attribute reads per tensor. An argument is a torch.Tensor
+// or torch.nn.Parameter (not a subclass: a subclass may redefine what its attributes mean) or None. The fingerprint
+// is a bytes object holding, per argument, everything the full checks read: ndim, sizes, strides, dtype, device
+// type and index, the pointer's alignment, requires_grad and the lazy negation and conjugation bits (None: one
+// entry, -1). None comes back for anything else (a subclass, a sparse or storage-less tensor, too many dimensions):
+// the caller then takes the Python path, whose fingerprints are tuples and so never equal these.
 //
 // empty_like_on(prototype, like) -> (tensor, pointer) or None: a new tensor with the prototype's sizes, strides and
 // dtype (a meta tensor: no memory) on like's device, as torch.empty_strided makes it, without Python's argument
-// parsing (~1 us of the eager operators' cached call). None when the allocation fails: the caller's
-// torch.empty_strided then raises torch's own error (e.g. torch.OutOfMemoryError).
+// parsing. None when the allocation fails: the caller's torch.empty_strided then raises torch's own error (e.g.
+// torch.OutOfMemoryError).
 #include <Python.h>
 
 #include <ATen/ops/empty_strided.h>
@@ -48,6 +48,15 @@ bool read(const at::Tensor& t, int64_t* out, int64_t& used, uintptr_t& ptr) {
   return true;
 }
 
+// (first, second), taking over both references; nullptr (an exception set) when either is nullptr or the tuple
+// cannot be made.
+PyObject* pair(PyObject* first, PyObject* second) {
+  PyObject* result = first && second ? PyTuple_Pack(2, first, second) : nullptr;
+  Py_XDECREF(first);
+  Py_XDECREF(second);
+  return result;
+}
+
 PyObject* prints(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs > kMaxArgs) Py_RETURN_NONE;
   int64_t buffer[kMaxArgs * (8 + 2 * kMaxDims)];
@@ -79,16 +88,7 @@ PyObject* prints(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     PyTuple_SET_ITEM(pointers, i, value);
   }
-  PyObject* fingerprint =
-      PyBytes_FromStringAndSize(reinterpret_cast<const char*>(buffer), filled * sizeof(int64_t));
-  if (fingerprint == nullptr) {
-    Py_DECREF(pointers);
-    return nullptr;
-  }
-  PyObject* result = PyTuple_Pack(2, pointers, fingerprint);
-  Py_DECREF(pointers);
-  Py_DECREF(fingerprint);
-  return result;
+  return pair(pointers, PyBytes_FromStringAndSize(reinterpret_cast<const char*>(buffer), filled * sizeof(int64_t)));
 }
 
 PyObject* empty_like_on(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -99,17 +99,7 @@ PyObject* empty_like_on(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     at::Tensor made = at::empty_strided(prototype.sizes(), prototype.strides(),
                                         at::TensorOptions().dtype(prototype.scalar_type()).device(like.device()));
     const auto ptr = reinterpret_cast<uintptr_t>(made.data_ptr());
-    PyObject* tensor = THPVariable_Wrap(std::move(made));
-    if (tensor == nullptr) return nullptr;
-    PyObject* pointer = PyLong_FromUnsignedLongLong(ptr);
-    if (pointer == nullptr) {
-      Py_DECREF(tensor);
-      return nullptr;
-    }
-    PyObject* result = PyTuple_Pack(2, tensor, pointer);
-    Py_DECREF(tensor);
-    Py_DECREF(pointer);
-    return result;
+    return pair(THPVariable_Wrap(std::move(made)), PyLong_FromUnsignedLongLong(ptr));
   } catch (...) {
     Py_RETURN_NONE;
   }
