@@ -290,6 +290,17 @@ class Plan:
         if status != abi.OK:
             self._raise(status)
 
+    def launch_layout(self) -> Optional[tuple]:
+        """The prepared launch as native.launcher takes it after the slot sources: td_run's address, the addresses
+        of td_args and the reason buffer, the buffer's size, the written slot, its byte span, the read slots with
+        theirs and the slot the output may alias exactly (-1: none). None when nothing is prepared. The addresses
+        stay valid while self._args is this object (a failed launch or a new prepare replaces it)."""
+        if self._args is None:
+            return None
+        return (ctypes.cast(self._run, ctypes.c_void_p).value, ctypes.addressof(self._args),
+                ctypes.addressof(self._reason), abi.REASON_BYTES, self._written, tuple(self._w_span),
+                tuple(self._reads), -1 if self._exact is None else self._exact)
+
     def _prepare(self, tensors: dict, fingerprints) -> None:
         self.prepare(self._ops.operands_for(self.problem, tensors))
         self._prints = fingerprints

@@ -1017,68 +1017,95 @@ def _conv_epilogue_pointers(x, w, y, bias, residuals) -> tuple:  # conv_op.run's
 
 class _FastCall:
     """A remembered call: the Launcher, how its pointers are ordered, and the output to allocate (shape, strides,
-    dtype, device and the pointer alignment its kernel was checked with; for the native allocation, a meta tensor
-    of that shape, strides and dtype, made on the device of the call's first tensor)."""
+    dtype, device and the pointer alignment its kernel was checked with; for the native path, a meta tensor of
+    that shape, strides and dtype, made on the device of the call's first tensor, and the launch record of the
+    Launcher's prepared td_args, valid while the plan holds those same td_args)."""
     __slots__ = ("launcher", "pointers", "shape", "strides", "dtype", "device", "align", "alpha", "beta", "grad",
-                 "prototype")
+                 "prototype", "record", "args")
 
-    def __init__(self, launcher, pointers, out: torch.Tensor, grad: bool, first: torch.Tensor):
+    def __init__(self, launcher, pointers, out: torch.Tensor, grad: bool, first: torch.Tensor, residuals: int):
         self.launcher, self.pointers, self.grad = launcher, pointers, grad
         self.shape, self.strides, self.dtype, self.device = tuple(out.shape), out.stride(), out.dtype, out.device
         self.align = out.data_ptr() & 15
         self.alpha, self.beta = launcher.alpha, launcher.beta  # the scalars of this call (the Launcher swaps them
         # back if a registry call with other values used it since)
-        self.prototype = None
-        if callable(_NATIVE_EMPTY) and out.device == first.device:  # resolved, and built
+        self.prototype = self.record = self.args = None
+        if callable(_NATIVE_LAUNCH) and out.device == first.device:  # resolved, and built
             self.prototype = torch.empty_strided(self.shape, self.strides, dtype=self.dtype, device="meta")
+            layout = launcher.plan.launch_layout()
+            if layout is not None:
+                self.args = launcher.plan._args
+                self.record = _NATIVE_LAUNCHER(*layout[:4], _slot_sources(launcher, pointers, residuals),
+                                               *layout[4:], self.align)
 
     def __call__(self, pointers: tuple, first: torch.Tensor) -> Optional[torch.Tensor]:
-        """The output, computed; None (nothing launched) when the new output's alignment differs. first: the
-        call's first tensor, on the output's device (its fingerprint is part of this call's key)."""
-        made = None if self.prototype is None else _NATIVE_EMPTY(self.prototype, first)
-        if made is None:  # None from the native allocation: torch's own says what went wrong
-            out = torch.empty_strided(self.shape, self.strides, dtype=self.dtype, device=self.device)
-            p = out.data_ptr()
-        else:
-            out, p = made
+        """The output, computed; None (nothing launched) when the new output's alignment differs. pointers: the
+        call's (a, b, bias, *residuals); first: its first tensor, on the output's device (its fingerprint is part
+        of this call's key)."""
+        launcher = self.launcher
+        plan = launcher.plan
+        if (self.record is not None and plan._args is self.args and launcher.alpha is self.alpha
+                and launcher.beta is self.beta):
+            made = _NATIVE_LAUNCH(self.record, self.prototype, first, pointers,
+                                  None if plan._stream_of is None else plan._stream_of())
+            plan._ptrs = None  # the slots hold this launch's pointers: the plan's next launch writes its own
+            if type(made) is not int:
+                return made
+            if made == _NATIVE_OVERLAP:  # a new output never overlaps a live input: said, not expected
+                raise InvalidInputError("the new output overlaps an input in memory; pass a separate output")
+            plan._raise(made)
+        out = torch.empty_strided(self.shape, self.strides, dtype=self.dtype, device=self.device)
+        p = out.data_ptr()
         if p & 15 != self.align:
             return None
-        a, b, bias, residuals = pointers
-        self.launcher(self.pointers(a, b, p, bias, residuals), self.alpha, self.beta)
+        a, b, bias, *residuals = pointers
+        launcher(self.pointers(a, b, p, bias, residuals), self.alpha, self.beta)
         return out
+
+
+_OUT, _ABSENT, _NATIVE_OVERLAP = -2, -1, -1000  # native/torch_fastpath.cpp's kOut, kAbsent and kOverlap
+
+
+def _slot_sources(launcher, pointers, residuals: int) -> tuple:
+    """Per td_args slot of the launcher's plan, where its pointer comes from: an index into the caller's
+    (a, b, bias, *residuals), _OUT for the new output or _ABSENT for none (as the Python path places them)."""
+    marks = pointers(0, 1, _OUT, 2, tuple(range(3, 3 + residuals)))
+    if launcher.pick is not None:
+        marks = launcher.pick(marks + (None,))
+    return tuple(_ABSENT if m is None else m for m in marks)
 
 
 _UNRESOLVED = object()
 # the native fast path's functions (native/torch_fastpath.cpp), looked up at the first call; None without it
-_NATIVE_PRINTS = _NATIVE_EMPTY = _UNRESOLVED
+_NATIVE_PRINTS = _NATIVE_LAUNCHER = _NATIVE_LAUNCH = _UNRESOLVED
 
 
 def _resolve_native() -> None:
-    global _NATIVE_PRINTS, _NATIVE_EMPTY
+    global _NATIVE_PRINTS, _NATIVE_LAUNCHER, _NATIVE_LAUNCH
     module = native.torch_fastpath()
-    _NATIVE_PRINTS, _NATIVE_EMPTY = (None, None) if module is None else (module.prints, module.empty_like_on)
+    _NATIVE_PRINTS, _NATIVE_LAUNCHER, _NATIVE_LAUNCH = (None, None, None) if module is None else (
+        module.eager_prints, module.launcher, module.launch)
 
 
 def _fast_key(a, b, bias, residuals: tuple, options: tuple):
-    """(key, pointers) of a call that may take the fast path, else (None, None)."""
-    if not _eager(a, b, bias) or _any_autocast():
-        return None, None
+    """(key, the pointers of (a, b, bias, *residuals)) of a call that may take the fast path, else (None, None)."""
     if _NATIVE_PRINTS is _UNRESOLVED:
         _resolve_native()
-    if _NATIVE_PRINTS is not None:
+    if _NATIVE_PRINTS is not None and _CAN_CALL_DIRECTLY and not _compiling() and _functorch_level() is None:
         found = _NATIVE_PRINTS(a, b, bias, *residuals)
-        if found is not None:  # else a tensor it does not read (e.g. a subclass residual): the Python path
-            ptrs, prints = found
-            return (_thread_id(), options, prints), (ptrs[0], ptrs[1], ptrs[2], ptrs[3:])
+        if found is not None:  # else a mode may intercept, or a tensor it does not read: the Python checks decide
+            return (_thread_id(), options, found[1]), found[0]
+    if not _eager(a, b, bias) or _any_autocast():
+        return None, None
     fa, fb = _torch_print(a), _torch_print(b)
     fbias = (None, None) if bias is None else _torch_print(bias)
     key = (_thread_id(), options, fa[1], fb[1], fbias[1])
     if not residuals:
-        return key, (fa[0], fb[0], fbias[0], ())
+        return key, (fa[0], fb[0], fbias[0])
     if not all(type(r) in _PLAIN for r in residuals):
         return None, None
     prints = [_torch_print(r) for r in residuals]
-    return key + tuple(p[1] for p in prints), (fa[0], fb[0], fbias[0], tuple(p[0] for p in prints))
+    return key + tuple(p[1] for p in prints), (fa[0], fb[0], fbias[0], *(p[0] for p in prints))
 
 
 def _fast_call(handle: int, t: torch.Tensor, key, pointers) -> Optional[torch.Tensor]:
@@ -1094,11 +1121,11 @@ def _fast_call(handle: int, t: torch.Tensor, key, pointers) -> Optional[torch.Te
         raise
 
 
-def _remember(handle: int, t: torch.Tensor, key, out: torch.Tensor, grad: bool) -> None:
+def _remember(handle: int, t: torch.Tensor, key, out: torch.Tensor, grad: bool, residuals: int) -> None:
     """Keep the call the implementation just made under key, when it launched on the caller's tensors."""
     launch = getattr(_DIRECT, "launch", None)
     if launch is not None and launch[0] is not None:
-        _registry_for(handle, t)._launches.put(key, _FastCall(*launch, out, grad, t))
+        _registry_for(handle, t)._launches.put(key, _FastCall(*launch, out, grad, t, residuals))
 
 
 def _needs_grad(*tensors) -> bool:
@@ -1158,7 +1185,8 @@ def _matmul(a, b, bias, residuals: tuple, activation: str, low: float, high: flo
     if lead is not None:
         out = out.view(*lead, out.shape[-1])
     if key is not None and not grad:
-        _remember(handle, a, key, out, any(t is not None and t.requires_grad for t in (a, b, bias, *residuals)))
+        _remember(handle, a, key, out, any(t is not None and t.requires_grad for t in (a, b, bias, *residuals)),
+                  len(residuals))
     return out
 
 
@@ -1214,13 +1242,24 @@ def conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     activation. The output is channels-last. Differentiable (grad input: bwd_data, grad weight: bwd_weight,
     grad bias: a sum, grad residual: the output's gradient, all through the activation's derivative)."""
     handle = register(registry)
+    key = _OWN_KEY
+    if (pad_lo is None and pad_hi is None and clamp is None and type(stride) is int and type(padding) is int
+            and type(dilation) is int and type(groups) is int and type(activation) is str):
+        # the common call, looked up under its options as given before they are checked: only a call that passed
+        # the checks is remembered, and plain types keep True or 1.0 from finding the entry of 1
+        residuals = residuals if type(residuals) is tuple else tuple(residuals)
+        key, pointers = _fast_key(x, weight, bias, residuals, ("conv", activation, stride, padding, dilation, groups))
+        if key is not None:
+            y = _fast_call(handle, x, key, pointers)
+            if y is not None:
+                return y
     if activation not in ACTIVATIONS:
         raise InvalidInputError(f"unknown activation {activation!r} (known: {', '.join(ACTIVATIONS)})")
     rank = x.dim() - 2
     _check_conv_ranks(x, weight, rank)
     low, high = NO_CLAMP if clamp is None else (float(clamp[0]), float(clamp[1]))
     if (pad_lo is None and pad_hi is None and type(stride) is int and type(padding) is int and type(dilation) is int
-            and type(groups) is int):  # the common call: one int per option, its _Geometry memoized by those ints
+            and type(groups) is int):  # one int per option: its _Geometry memoized by those ints
         geo = _UNIFORM_GEOMETRIES.get((rank, stride, padding, dilation, groups))
         if geo is None:
             if len(_UNIFORM_GEOMETRIES) >= _MEMO_SIZE:
@@ -1228,7 +1267,7 @@ def conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
             geo = _UNIFORM_GEOMETRIES[rank, stride, padding, dilation, groups] = _geometry(
                 (stride,) * rank, (dilation,) * rank, (padding,) * rank, (padding,) * rank, groups)
         return _conv(x, weight, bias, geo.stride, geo.dilation, geo.pad_lo, geo.pad_hi, groups, handle, geo,
-                     tuple(residuals), activation, (low, high))
+                     tuple(residuals), activation, (low, high), key)
     if (pad_lo is None) != (pad_hi is None):
         raise InvalidInputError("give both pad_lo and pad_hi, or padding")
     lo = _per_dim("pad_lo", pad_lo if pad_lo is not None else padding, rank)
@@ -1255,14 +1294,16 @@ def _check_conv_ranks(x, weight, rank: int) -> None:
 
 
 def _conv(x, weight, bias, stride, dilation, lo, hi, groups: int, handle: int, geo: Optional[_Geometry] = None,
-          residuals: tuple = (), activation: str = "identity", clamp: tuple = NO_CLAMP):
-    """conv() on checked arguments (geo: their _Geometry, when the caller keeps it)."""
-    key, pointers = _fast_key(x, weight, bias, residuals, ("conv", activation, clamp, geo) if geo is not None else
-                              ("conv", activation, clamp, tuple(stride), tuple(dilation), tuple(lo), tuple(hi), groups))
-    if key is not None:
-        y = _fast_call(handle, x, key, pointers)
-        if y is not None:
-            return y
+          residuals: tuple = (), activation: str = "identity", clamp: tuple = NO_CLAMP, key=_OWN_KEY):
+    """conv() on checked arguments (geo: their _Geometry, when the caller keeps it). key: as _matmul's."""
+    if key is _OWN_KEY:
+        key, pointers = _fast_key(x, weight, bias, residuals, ("conv", activation, clamp, geo) if geo is not None else
+                                  ("conv", activation, clamp, tuple(stride), tuple(dilation), tuple(lo), tuple(hi),
+                                   groups))
+        if key is not None:
+            y = _fast_call(handle, x, key, pointers)
+            if y is not None:
+                return y
     if _any_autocast():
         x, weight, bias, *residuals = _autocast((x, weight, bias, *residuals))
     if _needs_grad(x, weight, bias, *residuals):
@@ -1271,7 +1312,8 @@ def _conv(x, weight, bias, stride, dilation, lo, hi, groups: int, handle: int, g
     _DIRECT.launch = None
     y = _conv_fwd(x, weight, bias, stride, dilation, lo, hi, groups, handle, geo, residuals, activation, clamp)
     if key is not None:
-        _remember(handle, x, key, y, any(t is not None and t.requires_grad for t in (x, weight, bias, *residuals)))
+        _remember(handle, x, key, y, any(t is not None and t.requires_grad for t in (x, weight, bias, *residuals)),
+                  len(residuals))
     return y
 
 

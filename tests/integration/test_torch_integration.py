@@ -345,12 +345,13 @@ def test_eager_inference_calls_skip_the_dispatcher_and_allocate_once(reg, reader
     implementation directly (not through torch.ops), allocate the output with one call, fingerprint each tensor
     once, and run a bounded number of Python functions (a repeated call launches the remembered kernel: the eager
     fast path); fake and meta tensors still go through the registered operators (their fake implementations)."""
-    native = plan._native_prints() if reader == "native" else None
-    assert native is not None or reader == "python", "the native reader was not built: see its .failed file"
-    monkeypatch.setattr(tdt, "_NATIVE_PRINTS", native)
-    monkeypatch.setattr(tdt, "_NATIVE_EMPTY", native and td.native.torch_fastpath().empty_like_on)
+    native = td.native.torch_fastpath() if reader == "native" else None
+    assert native is not None or reader == "python", "the native module was not built: see its .failed file"
+    monkeypatch.setattr(tdt, "_NATIVE_PRINTS", native and native.eager_prints)
+    monkeypatch.setattr(tdt, "_NATIVE_LAUNCHER", native and native.launcher)
+    monkeypatch.setattr(tdt, "_NATIVE_LAUNCH", native and native.launch)
     plan.fingerprint(torch.zeros(1))  # the type met (its printers registered), so that the patch is undone to them
-    monkeypatch.setitem(plan._TRIPLE_PRINTERS, torch.Tensor, native or plan._torch_prints3)
+    monkeypatch.setitem(plan._TRIPLE_PRINTERS, torch.Tensor, native.prints if native else plan._torch_prints3)
     h = tdt.register(reg)
     x, w = rand(8, 16, seed=40), rand(24, 16, seed=41)
     xc = rand(2, 8, 6, 6, seed=42).contiguous(memory_format=torch.channels_last)
@@ -392,6 +393,29 @@ def test_eager_inference_calls_skip_the_dispatcher_and_allocate_once(reg, reader
     with torch.profiler.profile() as prof:  # a profile names the operators: they are dispatched while it runs
         tdt.conv(xc, wc, registry=h, padding=1)
     assert "tiledispatch::conv_fwd" in {e.name for e in prof.events()}
+
+
+def test_a_native_launch_leaves_the_plans_own_launches_writing_their_own_pointers(reg):
+    """The native launch of a remembered call writes the new output's pointer into the td_args of a Plan that
+    registry calls launch too: the plan's next launch on its earlier pointers must write them back, not launch
+    on the eager call's output."""
+    h = tdt.register(reg)
+    xc = rand(2, 8, 6, 6, seed=46).contiguous(memory_format=torch.channels_last)
+    wc = rand(8, 8, 3, 3, seed=47).contiguous(memory_format=torch.channels_last)
+    want = F.conv2d(xc, wc, padding=1)
+    launches = tdt._registry_for(h, xc)._launches
+    launches.clear()
+    with torch.no_grad():
+        first = tdt.conv(xc, wc, registry=h, padding=1)  # the full path, remembered
+        [entry] = [e for e in launches.values() if isinstance(e, tdt._FastCall)]
+        assert entry.record is not None, "the native launch record was not made: see the native module's warning"
+        own_plan = entry.launcher.plan
+        own_pointers = own_plan._ptrs
+        second = tdt.conv(xc, wc, registry=h, padding=1)  # launched natively, on a new output
+        assert second.data_ptr() != first.data_ptr() and rel_err(second, want) < TOL[torch.float32]
+        first.fill_(float("nan"))
+        own_plan.launch_pointers(own_pointers)
+        assert rel_err(first, want) < TOL[torch.float32]
 
 
 def test_a_torch_without_the_mode_checks_always_dispatches_through_the_operators(reg, monkeypatch):

@@ -123,3 +123,50 @@ def test_allocates_the_prototypes_layout_on_the_device_of_like():
     assert out.float().sum().item() == 120
     for refused in [(prototype, 3), (np.zeros(2), like), (prototype,)]:
         assert module.empty_like_on(*refused) is None
+
+
+def test_eager_prints_refuses_calls_a_mode_tracer_profiler_or_autocast_may_intercept(prints):
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.overrides import TorchFunctionMode
+
+    module = native.torch_fastpath()
+    a, b = torch.randn(4, 3), torch.randn(3, 2)
+    assert module.eager_prints(a, b, None) == prints(a, b, None)
+
+    class Passing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class PassingFunction(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    for context in (Passing(), PassingFunction(), torch.autocast("cpu"), torch.autograd.profiler.profile()):
+        with context:
+            assert module.eager_prints(a, b, None) is None, type(context).__name__
+    assert module.eager_prints(a, b, None) == prints(a, b, None)  # nothing left switched on
+    traced = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.trace's own: the tracer is what is tested
+        torch.jit.trace(lambda t: traced.append(module.eager_prints(t, b)) or t * 2, (a,), check_trace=False)
+    assert traced == [None]
+    assert module.eager_prints() is None and module.eager_prints(np.zeros(2), b) is None
+
+
+def test_launch_records_refuse_malformed_layouts_and_arguments():
+    module = native.torch_fastpath()
+    buffers = [torch.zeros(64, dtype=torch.uint8) for _ in range(2)]
+    run, args = buffers[0].data_ptr(), buffers[1].data_ptr()  # addresses only: nothing is launched here
+    good = (run, args, args, 8, (0, -2), 1, (0, 16), ((0, 0, 16),), -1, 0)
+    module.launcher(*good)
+    for bad, error in [(good[:9], TypeError), (good[:4] + ((0,) * 200,) + good[5:], ValueError),
+                       (good[:5] + (7,) + good[6:], ValueError), (good[:7] + (((9, 0, 16),),) + good[8:], ValueError),
+                       (good[:6] + ((0,),) + good[7:], ValueError), ((0,) + good[1:], ValueError)]:
+        with pytest.raises(error):
+            module.launcher(*bad)
+    like = torch.zeros(4)
+    prototype = torch.empty(4, device="meta")
+    with pytest.raises(TypeError):
+        module.launch(object(), prototype, like, (0,), None)  # not a record
+    with pytest.raises(TypeError):
+        module.launch(module.launcher(*good), prototype, like, [0], None)  # pointers not a tuple

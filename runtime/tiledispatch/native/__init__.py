@@ -2,7 +2,8 @@
 
 torch_fastpath.cpp does the torch fast paths' per-call work on the at::Tensor behind each Python tensor: the
 fingerprints of a call's tensors (plan.prints3, Plan and tiledispatch.torch's call keys) and the eager operators'
-output allocation, about 2 us less host time per cached call (bench/results/native_fastpath_cpu/ and _h200/). It
+remembered call (their mode checks, output allocation and launch), about 2 us less host time per cached call
+(bench/results/native_fastpath_cpu/ and _h200/). It
 includes torch's headers, so it is built per torch version, by the C++ compiler ($CXX, else c++), the first time a
 process needs it (about 10-20 s, with a message), into $TD_NATIVE_CACHE, else $XDG_CACHE_HOME/tiledispatch/native,
 else ~/.cache/tiledispatch/native. Every later process loads the built file. TD_NATIVE=0 turns it off. When it
@@ -28,6 +29,7 @@ from typing import Optional
 from ..caches import user_cache_dir
 
 SOURCE = Path(__file__).with_name("torch_fastpath.cpp")
+ABI_HEADER = Path(__file__).parents[1] / "include" / "tiledispatch_abi.h"  # the td_args the launch fills
 MODULE = "_td_torch_fastpath"  # the name its PyInit function carries
 _LOCK = threading.Lock()
 _LOADED: dict = {}
@@ -62,7 +64,8 @@ def _build_command(output: Path) -> list[str]:
     abi = int(torch.compiled_with_cxx11_abi())
     return [*shlex.split(os.environ.get("CXX", "c++")), "-O2", "-std=c++17", "-shared", "-fPIC",
             "-Wno-c++20-extensions", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{python_include}",
-            *(f"-I{p}" for p in cpp_extension.include_paths()), str(SOURCE), "-o", str(output),
+            f"-I{ABI_HEADER.parent}", *(f"-I{p}" for p in cpp_extension.include_paths()), str(SOURCE),
+            "-o", str(output),
             *(f"-L{p}" for p in libs), *(f"-Wl,-rpath,{p}" for p in libs),
             "-ltorch_python", "-ltorch", "-ltorch_cpu", "-lc10"]
 
@@ -71,8 +74,8 @@ def built_path() -> Path:
     """Where the module for this source, torch, Python and compiler is (or would be) built."""
     import torch
 
-    tag = "\n".join([SOURCE.read_text(), torch.__version__, str(Path(torch.__file__).parent), sys.version,
-                     sysconfig.get_config_var("EXT_SUFFIX") or "", os.environ.get("CXX", "c++")])
+    tag = "\n".join([SOURCE.read_text(), ABI_HEADER.read_text(), torch.__version__, str(Path(torch.__file__).parent),
+                     sys.version, sysconfig.get_config_var("EXT_SUFFIX") or "", os.environ.get("CXX", "c++")])
     digest = hashlib.sha256(tag.encode()).hexdigest()[:16]
     return cache_dir() / f"torch_fastpath-{digest}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
 

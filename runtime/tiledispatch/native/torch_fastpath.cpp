@@ -8,15 +8,38 @@
 // entry, -1). None comes back for anything else (a subclass, a sparse or storage-less tensor, too many dimensions):
 // the caller then takes the Python path, whose fingerprints are tuples and so never equal these.
 //
+// eager_prints(*tensors): prints, or None also when a call on these tensors may not run its implementation
+// directly: a torch dispatch or function mode, the JIT tracer, the autograd profiler, or autocast on the first
+// tensor's device (tiledispatch.torch._eager's checks but two that Python asks: the compiler's, and functorch's,
+// whose header needs a library torch does not ship).
+//
 // empty_like_on(prototype, like) -> (tensor, pointer) or None: a new tensor with the prototype's sizes, strides and
 // dtype (a meta tensor: no memory) on like's device, as torch.empty_strided makes it, without Python's argument
 // parsing. None when the allocation fails: the caller's torch.empty_strided then raises torch's own error (e.g.
 // torch.OutOfMemoryError).
+//
+// launcher(run, args, reason, reason_bytes, sources, written, written_span, reads, exact, align) -> a launch record
+// of a prepared Plan (Plan.launch_layout), and launch(record, prototype, like, pointers, stream): the eager
+// operators' remembered call in one step. It allocates the output as empty_like_on does, fills each td_args slot
+// from the caller's pointers (sources: per slot, an index into pointers, kOut for the output, kAbsent for none),
+// checks that the output overlaps no read tensor, sets the stream (None: left as it is), and calls td_run without
+// the GIL, as ctypes calls it. It returns the output; None when nothing was launched because the output's alignment
+// differs from the validated one or the allocation failed (the caller takes the full path); else an int: td_run's
+// status, or kOverlap (the caller's Python path says what is wrong).
 #include <Python.h>
 
+#include <memory>
+
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/ops/empty_strided.h>
 #include <c10/core/TensorOptions.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/frontend/tracer.h>
+#include <torch/csrc/profiler/api.h>
+
+#include "tiledispatch_abi.h"
 
 namespace {
 
@@ -57,6 +80,15 @@ PyObject* pair(PyObject* first, PyObject* second) {
   return result;
 }
 
+// Whether nothing (a mode, the tracer, the profiler, autocast) may intercept a call on first.
+bool plain_eager(PyObject* first) {
+  if (!THPVariable_CheckExact(first)) return false;
+  return c10::impl::TorchDispatchModeTLS::stack_len() == 0 && !at::impl::torch_function_mode_enabled() &&
+         !torch::jit::tracer::isTracing() &&
+         !torch::profiler::impl::profilerEnabled() &&
+         !at::autocast::is_autocast_enabled(THPVariable_Unpack(first).device().type());
+}
+
 PyObject* prints(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs > kMaxArgs) Py_RETURN_NONE;
   int64_t buffer[kMaxArgs * (8 + 2 * kMaxDims)];
@@ -91,25 +123,179 @@ PyObject* prints(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return pair(pointers, PyBytes_FromStringAndSize(reinterpret_cast<const char*>(buffer), filled * sizeof(int64_t)));
 }
 
-PyObject* empty_like_on(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 2 || !THPVariable_CheckExact(args[0]) || !THPVariable_CheckExact(args[1])) Py_RETURN_NONE;
+PyObject* eager_prints(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   try {
-    const at::Tensor& prototype = THPVariable_Unpack(args[0]);
-    const at::Tensor& like = THPVariable_Unpack(args[1]);
-    at::Tensor made = at::empty_strided(prototype.sizes(), prototype.strides(),
-                                        at::TensorOptions().dtype(prototype.scalar_type()).device(like.device()));
-    const auto ptr = reinterpret_cast<uintptr_t>(made.data_ptr());
-    return pair(THPVariable_Wrap(std::move(made)), PyLong_FromUnsignedLongLong(ptr));
+    if (nargs == 0 || !plain_eager(args[0])) Py_RETURN_NONE;
   } catch (...) {
     Py_RETURN_NONE;
   }
+  return prints(self, args, nargs);
+}
+
+// A tensor with prototype's sizes, strides and dtype on like's device; false when torch refuses.
+bool allocate(PyObject* prototype_object, PyObject* like_object, at::Tensor& made) {
+  if (!THPVariable_CheckExact(prototype_object) || !THPVariable_CheckExact(like_object)) return false;
+  try {
+    const at::Tensor& prototype = THPVariable_Unpack(prototype_object);
+    const at::Device device = THPVariable_Unpack(like_object).device();
+    made = at::empty_strided(prototype.sizes(), prototype.strides(),
+                             at::TensorOptions().dtype(prototype.scalar_type()).device(device));
+    return true;
+  } catch (...) {
+    return false;
+  }
+}
+
+PyObject* empty_like_on(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  at::Tensor made;
+  if (nargs != 2 || !allocate(args[0], args[1], made)) Py_RETURN_NONE;
+  const auto ptr = reinterpret_cast<uintptr_t>(made.data_ptr());
+  return pair(THPVariable_Wrap(std::move(made)), PyLong_FromUnsignedLongLong(ptr));
+}
+
+// -- the remembered call's launch ------------------------------------------------------------------------------
+constexpr long kOut = -2, kAbsent = -1;  // a slot's source: the new output, or no tensor
+constexpr long kOverlap = -1000;        // launch's result when the output overlaps a read tensor
+constexpr const char* kRecord = "tiledispatch.launch_record";
+
+using RunFunction = int32_t (*)(const td_args*, char*, uint64_t);
+
+struct ReadSpan {
+  long slot;
+  int64_t lo, hi;  // bytes relative to the slot's pointer
+};
+
+struct LaunchRecord {
+  RunFunction run;
+  td_args* args;
+  char* reason;
+  uint64_t reason_bytes;
+  long slots;
+  long sources[TD_MAX_TENSORS];
+  long written, exact;  // exact: the read slot that may alias the output exactly (-1: none)
+  int64_t written_lo, written_hi;
+  long reads;
+  ReadSpan read[TD_MAX_TENSORS];
+  uintptr_t align;
+};
+
+void free_record(PyObject* capsule) { delete static_cast<LaunchRecord*>(PyCapsule_GetPointer(capsule, kRecord)); }
+
+bool read_ints(PyObject* sequence, long count, int64_t* out) {  // count ints from a tuple
+  if (!PyTuple_Check(sequence) || PyTuple_GET_SIZE(sequence) != count) return false;
+  for (long i = 0; i < count; ++i) {
+    out[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(sequence, i));
+    if (out[i] == -1 && PyErr_Occurred()) return false;
+  }
+  return true;
+}
+
+PyObject* launcher(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 10) {
+    PyErr_SetString(PyExc_TypeError, "launcher takes 10 arguments");
+    return nullptr;
+  }
+  auto record = std::make_unique<LaunchRecord>();
+  record->run = reinterpret_cast<RunFunction>(PyLong_AsVoidPtr(args[0]));
+  record->args = static_cast<td_args*>(PyLong_AsVoidPtr(args[1]));
+  record->reason = static_cast<char*>(PyLong_AsVoidPtr(args[2]));
+  record->reason_bytes = PyLong_AsUnsignedLongLong(args[3]);
+  if (PyErr_Occurred()) return nullptr;
+  const Py_ssize_t slots = PyTuple_Check(args[4]) ? PyTuple_GET_SIZE(args[4]) : -1;
+  const Py_ssize_t reads = PyTuple_Check(args[7]) ? PyTuple_GET_SIZE(args[7]) : -1;
+  int64_t values[TD_MAX_TENSORS], span[3];
+  bool ok = slots >= 0 && slots <= TD_MAX_TENSORS && reads >= 0 && reads <= TD_MAX_TENSORS &&
+            read_ints(args[4], slots, values);
+  record->slots = slots;
+  for (long i = 0; ok && i < slots; ++i) record->sources[i] = values[i];
+  record->written = PyLong_AsLong(args[5]);
+  ok = ok && read_ints(args[6], 2, span);
+  record->written_lo = span[0];
+  record->written_hi = span[1];
+  record->reads = reads;
+  for (long i = 0; ok && i < reads; ++i) {
+    ok = read_ints(PyTuple_GET_ITEM(args[7], i), 3, span);
+    record->read[i] = {static_cast<long>(span[0]), span[1], span[2]};
+    ok = ok && span[0] >= 0 && span[0] < slots;
+  }
+  record->exact = PyLong_AsLong(args[8]);
+  record->align = PyLong_AsUnsignedLong(args[9]);
+  ok = ok && !PyErr_Occurred() && record->run && record->args && record->reason && record->written >= 0 &&
+       record->written < slots;
+  if (!ok) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "launcher: malformed launch layout");
+    return nullptr;
+  }
+  PyObject* capsule = PyCapsule_New(record.get(), kRecord, free_record);
+  if (capsule) record.release();
+  return capsule;
+}
+
+PyObject* launch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 5 || !PyTuple_Check(args[3])) {
+    PyErr_SetString(PyExc_TypeError, "launch(record, prototype, like, pointers: tuple, stream)");
+    return nullptr;
+  }
+  if (!PyCapsule_IsValid(args[0], kRecord)) {
+    PyErr_SetString(PyExc_TypeError, "launch: the first argument is not a launch record (launcher's result)");
+    return nullptr;
+  }
+  const auto* record = static_cast<const LaunchRecord*>(PyCapsule_GetPointer(args[0], kRecord));
+  const Py_ssize_t given = PyTuple_GET_SIZE(args[3]);
+  uintptr_t caller[kMaxArgs];
+  if (given > kMaxArgs) {
+    PyErr_SetString(PyExc_ValueError, "launch: too many pointers");
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < given; ++i) {
+    PyObject* p = PyTuple_GET_ITEM(args[3], i);
+    caller[i] = p == Py_None ? 0 : PyLong_AsUnsignedLongLong(p);
+  }
+  void* stream = args[4] == Py_None ? record->args->stream : PyLong_AsVoidPtr(args[4]);
+  if (PyErr_Occurred()) return nullptr;
+  at::Tensor made;
+  if (!allocate(args[1], args[2], made)) Py_RETURN_NONE;
+  const auto out = reinterpret_cast<uintptr_t>(made.data_ptr());
+  if ((out & 15) != record->align) Py_RETURN_NONE;
+  uintptr_t slot[TD_MAX_TENSORS];
+  for (long i = 0; i < record->slots; ++i) {
+    const long source = record->sources[i];
+    if (source >= given) {
+      PyErr_SetString(PyExc_ValueError, "launch: the record expects more pointers");
+      return nullptr;
+    }
+    slot[i] = source == kOut ? out : source == kAbsent ? 0 : caller[source];
+  }
+  const uintptr_t w = slot[record->written];
+  const intptr_t w_lo = static_cast<intptr_t>(w) + record->written_lo;
+  const intptr_t w_hi = static_cast<intptr_t>(w) + record->written_hi;
+  for (long i = 0; i < record->reads; ++i) {
+    const ReadSpan& r = record->read[i];
+    const auto p = static_cast<intptr_t>(slot[r.slot]);
+    if (p && p + r.lo < w_hi && w_lo < p + r.hi && !(r.slot == record->exact && slot[r.slot] == w))
+      return PyLong_FromLong(kOverlap);
+  }
+  for (long i = 0; i < record->slots; ++i) record->args->tensors[i].data = reinterpret_cast<void*>(slot[i]);
+  record->args->stream = stream;
+  int32_t status;
+  Py_BEGIN_ALLOW_THREADS
+  status = record->run(record->args, record->reason, record->reason_bytes);
+  Py_END_ALLOW_THREADS
+  if (status != TD_OK) return PyLong_FromLong(status);
+  return THPVariable_Wrap(std::move(made));
 }
 
 PyMethodDef methods[] = {
     {"prints", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(prints)), METH_FASTCALL,
      "prints(*tensors) -> (pointers, fingerprint bytes), or None for an argument this reader does not take"},
+    {"eager_prints", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(eager_prints)), METH_FASTCALL,
+     "eager_prints(*tensors) -> prints(*tensors), or None also when a mode, transform or autocast may intercept"},
     {"empty_like_on", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(empty_like_on)), METH_FASTCALL,
      "empty_like_on(meta prototype, like) -> (new tensor on like's device, its data pointer), or None"},
+    {"launcher", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(launcher)), METH_FASTCALL,
+     "launcher(run, args, reason, reason_bytes, sources, written, written_span, reads, exact, align) -> record"},
+    {"launch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(launch)), METH_FASTCALL,
+     "launch(record, prototype, like, pointers, stream) -> output, None (not launched) or a status int"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "_td_torch_fastpath", nullptr, -1, methods};
