@@ -413,6 +413,8 @@ def test_a_native_launch_leaves_the_plans_own_launches_writing_their_own_pointer
         own_pointers = own_plan._ptrs
         second = tdt.conv(xc, wc, registry=h, padding=1)  # launched natively, on a new output
         assert second.data_ptr() != first.data_ptr() and rel_err(second, want) < TOL[torch.float32]
+        assert (second.shape, second.stride(), second.dtype, second.device, second.requires_grad) == (
+            first.shape, first.stride(), first.dtype, first.device, False)
         first.fill_(float("nan"))
         own_plan.launch_pointers(own_pointers)
         assert rel_err(first, want) < TOL[torch.float32]

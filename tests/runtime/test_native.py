@@ -1,5 +1,6 @@
-"""The native fingerprint reader (runtime/tiledispatch/native): what it reads and refuses, how it is built, cached
-and turned off, and that a build that fails leaves the Python reader in place."""
+"""The native module (runtime/tiledispatch/native): what its fingerprint reader reads and refuses, when its eager
+checks refuse a call, what its launch records refuse, how it is built, cached and turned off, and that a build that
+fails leaves the Python paths in place."""
 import json
 import warnings
 
@@ -109,20 +110,6 @@ def test_turned_off_by_td_native_0(fresh, monkeypatch, capsys):
     assert native.torch_fastpath() is None
     assert run_cli(capsys, "native") == (0, {"native": "off", "why": "TD_NATIVE turns it off"}, "")
     assert not fresh.exists()
-
-
-def test_allocates_the_prototypes_layout_on_the_device_of_like():
-    module = native.torch_fastpath()
-    assert module is not None, "the native module was not built: see the warning and its .failed file"
-    prototype = torch.empty_strided((4, 3, 5), (1, 20, 4), dtype=torch.bfloat16, device="meta")
-    like = torch.randn(2)
-    out, ptr = module.empty_like_on(prototype, like)
-    assert (out.shape, out.stride(), out.dtype, out.device) == ((4, 3, 5), (1, 20, 4), torch.bfloat16, like.device)
-    assert ptr == out.data_ptr() and not out.requires_grad
-    out.fill_(2)  # its memory is its own and writable
-    assert out.float().sum().item() == 120
-    for refused in [(prototype, 3), (np.zeros(2), like), (prototype,)]:
-        assert module.empty_like_on(*refused) is None
 
 
 def test_eager_prints_refuses_calls_a_mode_tracer_profiler_or_autocast_may_intercept(prints):

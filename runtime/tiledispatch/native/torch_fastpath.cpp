@@ -13,17 +13,13 @@
 // tensor's device (tiledispatch.torch._eager's checks but two that Python asks: the compiler's, and functorch's,
 // whose header needs a library torch does not ship).
 //
-// empty_like_on(prototype, like) -> (tensor, pointer) or None: a new tensor with the prototype's sizes, strides and
-// dtype (a meta tensor: no memory) on like's device, as torch.empty_strided makes it, without Python's argument
-// parsing. None when the allocation fails: the caller's torch.empty_strided then raises torch's own error (e.g.
-// torch.OutOfMemoryError).
-//
 // launcher(run, args, reason, reason_bytes, sources, written, written_span, reads, exact, align) -> a launch record
 // of a prepared Plan (Plan.launch_layout), and launch(record, prototype, like, pointers, stream): the eager
-// operators' remembered call in one step. It allocates the output as empty_like_on does, fills each td_args slot
-// from the caller's pointers (sources: per slot, an index into pointers, kOut for the output, kAbsent for none),
-// checks that the output overlaps no read tensor, sets the stream (None: left as it is), and calls td_run without
-// the GIL, as ctypes calls it. It returns the output; None when nothing was launched because the output's alignment
+// operators' remembered call in one step. It allocates the output (the sizes, strides and dtype of prototype, a
+// meta tensor, on like's device, as torch.empty_strided makes it), fills each td_args slot from the caller's
+// pointers (sources: per slot, an index into pointers, kOut for the output, kAbsent for none), checks that the
+// output overlaps no read tensor, sets the stream (None: left as it is), and calls td_run without the GIL, as ctypes
+// calls it. It returns the output; None when nothing was launched because the output's alignment
 // differs from the validated one or the allocation failed (the caller takes the full path); else an int: td_run's
 // status, or kOverlap (the caller's Python path says what is wrong).
 #include <Python.h>
@@ -144,13 +140,6 @@ bool allocate(PyObject* prototype_object, PyObject* like_object, at::Tensor& mad
   } catch (...) {
     return false;
   }
-}
-
-PyObject* empty_like_on(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  at::Tensor made;
-  if (nargs != 2 || !allocate(args[0], args[1], made)) Py_RETURN_NONE;
-  const auto ptr = reinterpret_cast<uintptr_t>(made.data_ptr());
-  return pair(THPVariable_Wrap(std::move(made)), PyLong_FromUnsignedLongLong(ptr));
 }
 
 // -- the remembered call's launch ------------------------------------------------------------------------------
@@ -289,9 +278,8 @@ PyMethodDef methods[] = {
     {"prints", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(prints)), METH_FASTCALL,
      "prints(*tensors) -> (pointers, fingerprint bytes), or None for an argument this reader does not take"},
     {"eager_prints", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(eager_prints)), METH_FASTCALL,
-     "eager_prints(*tensors) -> prints(*tensors), or None also when a mode, transform or autocast may intercept"},
-    {"empty_like_on", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(empty_like_on)), METH_FASTCALL,
-     "empty_like_on(meta prototype, like) -> (new tensor on like's device, its data pointer), or None"},
+     "eager_prints(*tensors) -> prints(*tensors), or None also when a mode, the tracer, the profiler or autocast may "
+     "intercept"},
     {"launcher", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(launcher)), METH_FASTCALL,
      "launcher(run, args, reason, reason_bytes, sources, written, written_span, reads, exact, align) -> record"},
     {"launch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(launch)), METH_FASTCALL,
