@@ -5,9 +5,10 @@ fingerprints of a call's tensors (plan.prints3, Plan and tiledispatch.torch's ca
 remembered calls (their mode checks, output allocation and launch), 2-5 us less host time per cached call
 (bench/results/native_fastpath_* and native_launch_*). It includes torch's headers, so it is built per torch
 version, by the C++ compiler ($CXX, else c++), the first time a process needs it (about 10-20 s, with a message),
-into $TD_NATIVE_CACHE, else $XDG_CACHE_HOME/tiledispatch/native, else ~/.cache/tiledispatch/native. Every later process loads the built file. TD_NATIVE=0 turns it off. When it
-cannot be built, the reason is kept beside it (NAME.failed, which stops further attempts until it is removed) and
-the Python paths are used: the same results, slower.
+into $TD_NATIVE_CACHE, else $XDG_CACHE_HOME/tiledispatch/native, else ~/.cache/tiledispatch/native. Every later
+process loads the built file. TD_NATIVE=0 turns it off. When it cannot be built, the reason is kept beside it
+(NAME.failed, which stops further attempts until it is removed) and the Python paths are used: the same results,
+slower.
 """
 from __future__ import annotations
 
