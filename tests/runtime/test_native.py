@@ -157,3 +157,5 @@ def test_launch_records_refuse_malformed_layouts_and_arguments():
         module.launch(object(), prototype, like, (0,), None)  # not a record
     with pytest.raises(TypeError):
         module.launch(module.launcher(*good), prototype, like, [0], None)  # pointers not a tuple
+    # more tensors than the fingerprints take: not launched (None), the caller's Python path runs the call
+    assert module.launch(module.launcher(*good), prototype, like, (0,) * 9, None) is None
