@@ -642,12 +642,16 @@ def _conv_bwd_data_run(dy, w, in_size, geo: _Geometry, handle: int):
     if w.dtype != dy.dtype:
         _check_conv_dtypes(("dy", dy), ("w", w))
     reg = _registry_for(handle, dy)
+    given_dy, given_w = dy, w
     dy, w = _channels_last(dy), _channels_last(w)
     dx = _new_channels_last((dy.shape[0], w.shape[1] * geo.groups, *in_size), dy)
     if geo.strided and (_STRIDED_BWD_DATA == "phases" or _STRIDED_BWD_DATA == "auto" and w.shape[1] > 1) \
             and _bwd_data_by_phase(reg, dy, w, dx, geo):
         return dx
-    return conv_op.run(reg, "bwd_data", dx, w, dy, dx, geo.options[0.0], geo.keys[0.0])
+    conv_op.run(reg, "bwd_data", dx, w, dy, dx, geo.options[0.0], geo.keys[0.0])
+    if dy is given_dy and w is given_w:
+        _mark_direct(_bwd_data_pointers)
+    return dx
 
 
 STRIDED_BWD_DATA_ROUTES = ("auto", "kernel", "phases")
@@ -766,6 +770,7 @@ def _conv_bwd_weight_run(x, dy, filter_size, geo: _Geometry, handle: int):
     if dy.dtype != x.dtype:
         _check_conv_dtypes(("x", x), ("dy", dy))
     reg = _registry_for(handle, x)
+    given_x, given_dy = x, dy
     x, dy = _channels_last(x), _channels_last(dy)
     channels = x.shape[1] // geo.groups
     if geo.groups == 1 and channels % _vector_channels(x):
@@ -776,7 +781,10 @@ def _conv_bwd_weight_run(x, dy, filter_size, geo: _Geometry, handle: int):
             conv_op.run(reg, "bwd_weight", x, dw, dy, dw, geo.options[0.0], geo.keys[0.0])
             return _channels_last(dw[:, :channels])
     dw = _new_channels_last((dy.shape[1], channels, *filter_size), x)
-    return conv_op.run(reg, "bwd_weight", x, dw, dy, dw, geo.options[0.0], geo.keys[0.0])
+    conv_op.run(reg, "bwd_weight", x, dw, dy, dw, geo.options[0.0], geo.keys[0.0])
+    if x is given_x and dy is given_dy:
+        _mark_direct(_bwd_weight_pointers)
+    return dw
 
 
 def _conv_bwd_weight_fake(x, dy, filter_size, stride, dilation, pad_lo, pad_hi, groups, registry):
@@ -906,42 +914,60 @@ def _grad_in_layout_of(t: torch.Tensor, lhs, rhs, handle: int) -> torch.Tensor:
     return _gemm(lhs, rhs, None, (), "identity", *NO_CLAMP, handle)
 
 
+# The autograd Functions take their options as one tuple (a `spec`): every argument of apply costs host time on
+# each call. Their backward passes are marked once-differentiable only where a second derivative could be asked
+# for (grad mode on inside backward: create_graph=True); the marking's wrapper costs host time on every call.
 class _GemmFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, bias, activation, clamp_low, clamp_high, handle, *residuals):
-        out = _gemm(a, b, bias, residuals, activation, clamp_low, clamp_high, handle)
-        ctx.activation, ctx.clamp, ctx.handle = activation, (clamp_low, clamp_high), handle
+    def forward(ctx, spec, a, b, bias, *residuals):
+        activation, clamp, handle = spec
+        out = _gemm(a, b, bias, residuals, activation, *clamp, handle)
+        ctx.spec = spec
         ctx.save_for_backward(a, b, bias, out, *(residuals if activation in _NEEDS_PRE else ()))
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, g):
-        a, b, bias, out, *residuals = ctx.saved_tensors
-        pre = None
-        if ctx.activation in _NEEDS_PRE:  # recomputed through the bundle rather than stored by the forward pass
-            pre = _gemm(a, b, bias, residuals, "identity", *NO_CLAMP, ctx.handle)
-        g = _activation_grad(g.contiguous(), out, pre, ctx.activation, ctx.clamp)
-        ga = _grad_in_layout_of(a, g, b.mT, ctx.handle) if ctx.needs_input_grad[0] else None
-        gb = _grad_in_layout_of(b, a.mT, g, ctx.handle) if ctx.needs_input_grad[1] else None
-        gbias = g.sum(dim=tuple(range(g.dim() - 1))) if ctx.needs_input_grad[2] else None
-        gres = tuple(g if need else None for need in ctx.needs_input_grad[7:])
-        return (ga, gb, gbias, None, None, None, None, *gres)
+        if torch.is_grad_enabled():
+            return _gemm_backward_once(ctx, g)
+        return _gemm_backward(ctx, g)
+
+
+def _gemm_backward(ctx, g):
+    a, b, bias, out, *residuals = ctx.saved_tensors
+    activation, clamp, handle = ctx.spec
+    pre = None
+    if activation in _NEEDS_PRE:  # recomputed through the bundle rather than stored by the forward pass
+        pre = _gemm(a, b, bias, residuals, "identity", *NO_CLAMP, handle)
+    g = _activation_grad(g.contiguous(), out, pre, activation, clamp)
+    needs = ctx.needs_input_grad
+    ga = _grad_in_layout_of(a, g, b.mT, handle) if needs[1] else None
+    gb = _grad_in_layout_of(b, a.mT, g, handle) if needs[2] else None
+    gbias = g.sum(dim=tuple(range(g.dim() - 1))) if needs[3] else None
+    return (None, ga, gb, gbias, *(g if need else None for need in needs[4:]))
+
+
+_gemm_backward_once = torch.autograd.function.once_differentiable(_gemm_backward)
 
 
 class _ConvFunction(torch.autograd.Function):
-    """y = act(conv(x, w) + bias + sum(residuals)). The backward pass takes the activation's derivative from the
-    saved output (relu, clamp, sigmoid, tanh) or from the pre-activation, recomputed through the bundle (gelu,
-    silu), then grad bias = the sum of that gradient over N and the spatial dims, grad residual = that gradient."""
+    """y = act(conv(x, w) + bias + sum(residuals)); spec: (stride, dilation, pad_lo, pad_hi, groups, handle,
+    activation, clamp, the _Geometry of those values or None). The backward pass takes the activation's
+    derivative from the saved output (relu, clamp, sigmoid, tanh) or from the pre-activation, recomputed through
+    the bundle (gelu, silu), then grad bias = the sum of that gradient over N and the spatial dims, grad residual =
+    that gradient. Each direction's launch is remembered like an eager call's (_remembered)."""
 
     @staticmethod
-    def forward(ctx, x, w, bias, stride, dilation, pad_lo, pad_hi, groups, handle, activation, clamp_low, clamp_high,
-                *residuals):
+    def forward(ctx, spec, x, w, bias, *residuals):
+        stride, dilation, pad_lo, pad_hi, groups, handle, activation, clamp, geo = spec
         x, w = _channels_last(x), _channels_last(w)  # converted once, kept for the backward pass
-        y = _conv_fwd(x, w, bias, stride, dilation, pad_lo, pad_hi, groups, handle, None, residuals, activation,
-                      (clamp_low, clamp_high))
-        ctx.geometry = (stride, dilation, pad_lo, pad_hi, groups, handle)
-        ctx.activation, ctx.clamp = activation, (clamp_low, clamp_high)
+        if geo is None or _compiling():  # traced: no per-call state is read or written inside a graph
+            y = _conv_fwd(x, w, bias, stride, dilation, pad_lo, pad_hi, groups, handle, None, residuals, activation,
+                          clamp)
+        else:
+            y = _remembered(handle, x, w, bias, residuals, ("conv", activation, clamp, geo), _conv_fwd, x, w, bias,
+                            stride, dilation, pad_lo, pad_hi, groups, handle, geo, residuals, activation, clamp)
+        ctx.spec = spec
         if activation in _NEEDS_PRE:
             ctx.save_for_backward(x, w, bias, None, *residuals)
         else:
@@ -949,24 +975,40 @@ class _ConvFunction(torch.autograd.Function):
         return y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, gy):
-        x, w, bias, out, *residuals = ctx.saved_tensors
-        if ctx.activation != "identity":
-            pre = None
-            if ctx.activation in _NEEDS_PRE:  # recomputed through the bundle rather than stored by the forward pass
-                pre = _conv_fwd(x, w, bias, *ctx.geometry, None, tuple(residuals))
-            gy = _activation_grad(gy, out, pre, ctx.activation, ctx.clamp)
-        gy = _channels_last(gy)
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dx = _conv_bwd_data(gy, w, x.shape[2:], *ctx.geometry)
-        if ctx.needs_input_grad[1]:
-            dw = _conv_bwd_weight(x, gy, w.shape[2:], *ctx.geometry)
-        if ctx.needs_input_grad[2]:
-            db = gy.sum(dim=(0, *range(2, gy.dim())))
-        gres = tuple(gy if need else None for need in ctx.needs_input_grad[12:])
-        return (dx, dw, db, None, None, None, None, None, None, None, None, None, *gres)
+        if torch.is_grad_enabled():
+            return _conv_backward_once(ctx, gy)
+        return _conv_backward(ctx, gy)
+
+
+def _conv_backward(ctx, gy):
+    x, w, bias, out, *residuals = ctx.saved_tensors
+    stride, dilation, pad_lo, pad_hi, groups, handle, activation, clamp, geo = ctx.spec
+    if activation != "identity":
+        pre = None
+        if activation in _NEEDS_PRE:  # recomputed through the bundle rather than stored by the forward pass
+            pre = _conv_fwd(x, w, bias, stride, dilation, pad_lo, pad_hi, groups, handle, geo, tuple(residuals))
+        gy = _activation_grad(gy, out, pre, activation, clamp)
+    gy = _channels_last(gy)
+    needs = ctx.needs_input_grad
+    dx = dw = db = None
+    direct = geo is not None and not _compiling()
+    if needs[1]:
+        in_size = x.shape[2:]
+        dx = _remembered(handle, gy, w, None, (), ("bwd_data", geo, in_size), _conv_bwd_data, gy, w, in_size, stride,
+                         dilation, pad_lo, pad_hi, groups, handle) if direct else _conv_bwd_data(
+            gy, w, in_size, stride, dilation, pad_lo, pad_hi, groups, handle)
+    if needs[2]:
+        filter_size = w.shape[2:]
+        dw = _remembered(handle, x, gy, None, (), ("bwd_weight", geo, filter_size), _conv_bwd_weight, x, gy,
+                         filter_size, stride, dilation, pad_lo, pad_hi, groups, handle) if direct else _conv_bwd_weight(
+            x, gy, filter_size, stride, dilation, pad_lo, pad_hi, groups, handle)
+    if needs[3]:
+        db = gy.sum(dim=(0, *range(2, gy.dim())))
+    return (None, dx, dw, db, *(gy if need else None for need in needs[4:]))
+
+
+_conv_backward_once = torch.autograd.function.once_differentiable(_conv_backward)
 
 
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (lambda: True)  # the cheap first test
@@ -1013,6 +1055,14 @@ def _conv_pointers(x, w, y, bias, residuals) -> tuple:  # conv_op.run's without 
 
 def _conv_epilogue_pointers(x, w, y, bias, residuals) -> tuple:  # conv_op.run's with one
     return (x, w, y, bias, *residuals)
+
+
+def _bwd_data_pointers(dy, w, dx, bias, residuals) -> tuple:  # conv_op.run's for bwd_data: dX in X's slot
+    return (dx, w, dy)
+
+
+def _bwd_weight_pointers(x, dy, dw, bias, residuals) -> tuple:  # conv_op.run's for bwd_weight: dW in W's slot
+    return (x, dw, dy)
 
 
 class _FastCall:
@@ -1128,6 +1178,23 @@ def _remember(handle: int, t: torch.Tensor, key, out: torch.Tensor, grad: bool, 
         _registry_for(handle, t)._launches.put(key, _FastCall(*launch, out, grad, t, residuals))
 
 
+def _remembered(handle: int, a, b, bias, residuals: tuple, options: tuple, run, *args) -> torch.Tensor:
+    """run(*args), a launch on (a, b, bias, *residuals) inside an autograd Function (no gradient recorded): the
+    call remembered under these tensors' fingerprints and options where there is one, else run itself,
+    remembered when it launched one kernel on those tensors as given. Its entry never serves a call that
+    records a gradient (the autograd Function must see that call)."""
+    key, pointers = _fast_key(a, b, bias, residuals, options)
+    if key is not None:
+        out = _fast_call(handle, a, key, pointers)
+        if out is not None:
+            return out
+    _DIRECT.launch = None
+    out = run(*args)
+    if key is not None:
+        _remember(handle, a, key, out, True, len(residuals))
+    return out
+
+
 def _needs_grad(*tensors) -> bool:
     if not torch.is_grad_enabled():
         return False
@@ -1178,7 +1245,7 @@ def _matmul(a, b, bias, residuals: tuple, activation: str, low: float, high: flo
         a, residuals = rows, rows_of_residuals
     grad = _needs_grad(a, b, bias, *residuals)
     if grad:
-        out = _GemmFunction.apply(a, b, bias, activation, low, high, handle, *residuals)
+        out = _GemmFunction.apply((activation, (low, high), handle), a, b, bias, *residuals)
     else:
         _DIRECT.launch = None
         out = _gemm(a, b, bias, residuals, activation, low, high, handle)
@@ -1307,8 +1374,10 @@ def _conv(x, weight, bias, stride, dilation, lo, hi, groups: int, handle: int, g
     if _any_autocast():
         x, weight, bias, *residuals = _autocast((x, weight, bias, *residuals))
     if _needs_grad(x, weight, bias, *residuals):
-        return _ConvFunction.apply(x, weight, bias, stride, dilation, lo, hi, groups, handle, activation, *clamp,
-                                   *residuals)
+        if geo is None and not _compiling():  # the eager calls' launches are remembered under their _Geometry
+            geo = _geometry(stride, dilation, lo, hi, groups)
+        return _ConvFunction.apply((stride, dilation, lo, hi, groups, handle, activation, clamp, geo), x, weight,
+                                   bias, *residuals)
     _DIRECT.launch = None
     y = _conv_fwd(x, weight, bias, stride, dilation, lo, hi, groups, handle, geo, residuals, activation, clamp)
     if key is not None:

@@ -669,6 +669,53 @@ def test_the_eager_fast_path_remembers_only_whole_results_on_the_callers_tensors
     assert _remembered(reg) == 0
 
 
+@pytest.mark.parametrize("stride", [1, 2])
+def test_training_calls_launch_every_direction_through_remembered_calls(reg, monkeypatch, stride):
+    """A training step's conv without bias (forward with grad, then bwd_data and bwd_weight in the backward pass) launches each
+    direction through a call remembered on the first step, on each step's new tensors: outputs and gradients stay
+    exact step after step. The strided input gradient runs by phase (several launches and copies): never
+    remembered. Those entries never answer a call that records a gradient, and a second derivative through
+    the backward pass is refused, as torch's once-differentiable functions refuse it."""
+    h = tdt.register(reg)
+    reg.clear_caches()
+    served = []
+    fast_call = tdt._FastCall.__call__
+    monkeypatch.setattr(tdt._FastCall, "__call__", lambda self, *a: served.append(1) or fast_call(self, *a))
+    for step in range(3):
+        x = leaf(rand(2, 8, 6, 6, seed=60 + step).contiguous(memory_format=torch.channels_last))
+        w = leaf(rand(8, 8, 3, 3, seed=63 + step).contiguous(memory_format=torch.channels_last))
+        y = tdt.conv(x, w, registry=h, padding=1, stride=stride)
+        xr, wr = leaf(x.double()), leaf(w.double())
+        ref = F.conv2d(xr, wr, padding=1, stride=stride)
+        assert y.grad_fn is not None and rel_err(y, ref) < TOL[torch.float32]
+        g = rand(*y.shape, seed=69 + step).contiguous(memory_format=torch.channels_last)
+        y.backward(g)
+        ref.backward(g.double())
+        for mine, theirs in ((x, xr), (w, wr)):
+            assert rel_err(mine.grad, theirs.grad) < GRAD_TOL[torch.float32], (step, stride)
+        if step == 0:
+            assert not served
+            directions = sorted(key[1][0] for key, entry in zip(reg._launches._entries, reg._launches.values())
+                                if isinstance(entry, tdt._FastCall))
+            assert directions == (["bwd_data", "bwd_weight", "conv"] if stride == 1 else ["bwd_weight", "conv"])
+    assert len(served) == 2 * (3 if stride == 1 else 2)  # steps 1 and 2, every remembered direction
+    layer = nn.Conv2d(8, 8, 3, padding=1, stride=stride, bias=False)
+    layer.weight = nn.Parameter(w.detach())
+    tdt.patch(layer, reg)
+    for _ in range(2):  # the layer's forward is remembered inside the autograd Function, under the layer's key
+        y = layer(x)
+        assert y.grad_fn is not None
+    with torch.no_grad():
+        assert layer(x).grad_fn is None
+    gx, = torch.autograd.grad(y, x, leaf(g), create_graph=True)  # a gradient that needs a gradient itself
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        gx.sum().backward()
+    a, wl = leaf(rand(4, 16, seed=72)), leaf(rand(8, 16, seed=73))
+    ga, = torch.autograd.grad(tdt.linear(a, wl, registry=h), a, leaf(rand(4, 8, seed=74)), create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        ga.sum().backward()
+
+
 def test_patch_matches_the_unpatched_model_and_unpatch_restores(reg, monkeypatch):
     torch.manual_seed(0)
     model = SmallNet()
