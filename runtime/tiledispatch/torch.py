@@ -910,8 +910,17 @@ def _grad_in_layout_of(t: torch.Tensor, lhs, rhs, handle: int) -> torch.Tensor:
     """lhs @ rhs (the gradient of t), computed so that it comes out in t's major order: a column-major t
     (e.g. the weight view of a Linear) gets (rhs^T @ lhs^T)^T."""
     if "r" not in _letters(t):
-        return _gemm(rhs.mT, lhs.mT, None, (), "identity", *NO_CLAMP, handle).mT
-    return _gemm(lhs, rhs, None, (), "identity", *NO_CLAMP, handle)
+        return _product(rhs.mT, lhs.mT, handle).mT
+    return _product(lhs, rhs, handle)
+
+
+_PRODUCT = ("gemm", "identity", NO_CLAMP)  # the key options of _product's remembered launches
+
+
+def _product(a, b, handle: int) -> torch.Tensor:
+    """a @ b in a backward pass (traced by torch.compile's AOTAutograd with fake tensors: _remembered then runs
+    the operator)."""
+    return _remembered(handle, a, b, None, (), _PRODUCT, _gemm, a, b, None, (), "identity", *NO_CLAMP, handle)
 
 
 # The autograd Functions take their options as one tuple (a `spec`): every argument of apply costs host time on
@@ -921,7 +930,11 @@ class _GemmFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec, a, b, bias, *residuals):
         activation, clamp, handle = spec
-        out = _gemm(a, b, bias, residuals, activation, *clamp, handle)
+        if _compiling():  # traced: no per-call state is read or written inside a graph
+            out = _gemm(a, b, bias, residuals, activation, *clamp, handle)
+        else:
+            out = _remembered(handle, a, b, bias, residuals, ("gemm", activation, clamp), _gemm, a, b, bias, residuals,
+                              activation, *clamp, handle)
         ctx.spec = spec
         ctx.save_for_backward(a, b, bias, out, *(residuals if activation in _NEEDS_PRE else ()))
         return out

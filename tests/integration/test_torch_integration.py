@@ -716,6 +716,28 @@ def test_training_calls_launch_every_direction_through_remembered_calls(reg, mon
         ga.sum().backward()
 
 
+def test_linear_training_steps_stay_exact_through_remembered_calls(reg, monkeypatch):
+    """A Linear's training step (forward with grad; grad input and grad weight, two GEMMs, in the backward pass)
+    launches every GEMM through a call remembered on the first step, on each step's new tensors."""
+    h = tdt.register(reg)
+    reg.clear_caches()
+    served = []
+    fast_call = tdt._FastCall.__call__
+    monkeypatch.setattr(tdt._FastCall, "__call__", lambda self, *a: served.append(1) or fast_call(self, *a))
+    for step in range(3):
+        x, w, b = leaf(rand(6, 16, seed=80 + step)), leaf(rand(8, 16, seed=83 + step)), leaf(rand(8, seed=86 + step))
+        y = tdt.linear(x, w, b, registry=h, activation="relu")
+        xr, wr, br = leaf(x.double()), leaf(w.double()), leaf(b.double())
+        ref = F.linear(xr, wr, br).relu()
+        assert rel_err(y, ref) < TOL[torch.float32]
+        g = rand(6, 8, seed=89 + step)
+        y.backward(g)
+        ref.backward(g.double())
+        for mine, theirs in ((x, xr), (w, wr), (b, br)):
+            assert rel_err(mine.grad, theirs.grad) < GRAD_TOL[torch.float32], step
+    assert len(served) == 2 * 3  # steps 1 and 2: the forward GEMM and both gradient GEMMs
+
+
 def test_patch_matches_the_unpatched_model_and_unpatch_restores(reg, monkeypatch):
     torch.manual_seed(0)
     model = SmallNet()
