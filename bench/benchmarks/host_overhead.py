@@ -21,6 +21,10 @@ Paths of each problem (those that apply):
                 torch tensors (the weight of the GEMM as a Linear's [n, k]; conv forward problems only)
   patched_linear, patched_conv   an nn.Linear / nn.ConvNd (no bias, parameters not requiring grad) routed through
                 the bundle by tiledispatch.torch.patch, called on the same input
+  tdt_linear_train, tdt_conv_train   a training step's call: the operator with gradients recorded, then
+                .backward() of the output (GEMM: the forward and both gradient GEMMs; conv forward problems: the
+                forward, bwd_data and bwd_weight), on leaves of the same data; torch_linear_train /
+                torch_conv_train: the same with F.linear / F.conv1d/2d/3d
   torch_*       PyTorch on the same tensors: torch.mm(out=) and F.linear; F.conv1d/2d/3d and
                 aten.convolution_backward (what autograd runs for the input / weight gradients), with
                 torch.backends.cudnn.benchmark on; torch_linear_module / torch_conv_module: the patched
@@ -203,6 +207,8 @@ def gemm_paths(reg, tensors: Tensors, m: int, n: int, k: int, dtype: str, opts: 
     linear.weight.copy_(bt_t)
     torch_linear_module = copy.deepcopy(linear)  # the same layer left on PyTorch: the module call's own cost
     tdt.patch(linear, reg)
+    grad_out = tensors.torch_rand((m, n), dtype)
+    ours_a, ours_w, torch_a, torch_w = (t.detach().clone().requires_grad_(True) for t in (a_t, bt_t) * 2)
     paths = {
         "raw_c_call": (raw, None),
         "default": (lambda: reg.gemm(a, b, out=d, **opts), None),
@@ -214,6 +220,8 @@ def gemm_paths(reg, tensors: Tensors, m: int, n: int, k: int, dtype: str, opts: 
         "torch_mm_out": (lambda: torch.mm(a_t, b_t, out=d_t), None),
         "torch_linear": (lambda: F.linear(a_t, bt_t), None),
         "torch_linear_module": (lambda: torch_linear_module(a_t), None),
+        "tdt_linear_train": (lambda: tdt.linear(ours_a, ours_w, registry=reg).backward(grad_out), None),
+        "torch_linear_train": (lambda: F.linear(torch_a, torch_w).backward(grad_out), None),
     }
     if tensors.device == "cuda":
         stream = torch.cuda.current_stream().cuda_stream
@@ -268,6 +276,11 @@ def conv_paths(reg, tensors: Tensors, spec, dtype: str, opts: dict) -> tuple[dic
         paths["patched_conv"] = (lambda: layer(x_t), None)
         paths["torch_conv"] = (lambda: conv_nd(x_t, w_t, stride=stride, padding=padding, groups=g), None)
         paths["torch_conv_module"] = (lambda: torch_layer(x_t), None)
+        ours_x, ours_w, torch_x, torch_w = (t.detach().clone().requires_grad_(True) for t in (x_t, w_t) * 2)
+        paths["tdt_conv_train"] = (lambda: tdt.conv(ours_x, ours_w, registry=reg, stride=stride, padding=padding,
+                                                    groups=g).backward(dy_t), None)
+        paths["torch_conv_train"] = (lambda: conv_nd(torch_x, torch_w, stride=stride, padding=padding,
+                                                     groups=g).backward(dy_t), None)
     else:
         mask = [direction == "bwd_data", direction == "bwd_weight", False]
         paths["torch_convolution_backward"] = (lambda: torch.ops.aten.convolution_backward(
