@@ -1007,15 +1007,13 @@ def _conv_backward(ctx, gy):
     dx = dw = db = None
     direct = geo is not None and not _compiling()
     if needs[1]:
-        in_size = x.shape[2:]
-        dx = _remembered(handle, gy, w, None, (), ("bwd_data", geo, in_size), _conv_bwd_data, gy, w, in_size, stride,
-                         dilation, pad_lo, pad_hi, groups, handle) if direct else _conv_bwd_data(
-            gy, w, in_size, stride, dilation, pad_lo, pad_hi, groups, handle)
+        args = (gy, w, x.shape[2:], stride, dilation, pad_lo, pad_hi, groups, handle)
+        dx = (_remembered(handle, gy, w, None, (), ("bwd_data", geo, args[2]), _conv_bwd_data, *args) if direct
+              else _conv_bwd_data(*args))
     if needs[2]:
-        filter_size = w.shape[2:]
-        dw = _remembered(handle, x, gy, None, (), ("bwd_weight", geo, filter_size), _conv_bwd_weight, x, gy,
-                         filter_size, stride, dilation, pad_lo, pad_hi, groups, handle) if direct else _conv_bwd_weight(
-            x, gy, filter_size, stride, dilation, pad_lo, pad_hi, groups, handle)
+        args = (x, gy, w.shape[2:], stride, dilation, pad_lo, pad_hi, groups, handle)
+        dw = (_remembered(handle, x, gy, None, (), ("bwd_weight", geo, args[2]), _conv_bwd_weight, *args) if direct
+              else _conv_bwd_weight(*args))
     if needs[3]:
         db = gy.sum(dim=(0, *range(2, gy.dim())))
     return (None, dx, dw, db, *(gy if need else None for need in needs[4:]))
