@@ -25,7 +25,8 @@ from .errors import BundleError, InvalidInputError, UnsupportedProblemError
 from .spec.key import KernelKey
 
 
-CACHE_SIZE = 1024  # entries of each of the registry's caches (launches, selections, candidate lists)
+CACHE_SIZE = 2048  # entries of each of the registry's caches (launches, selections, candidate lists): a training
+# step keeps two launch entries per distinct layer and direction (the prepared launch and the remembered call)
 TUNE_TOP = 12  # kernels timed by tuning: on held-out H100 shapes the fastest of the learned top 12 was within
                # 10% of the best on 99.5% of them (runtime/tiledispatch/models/cutlass_sm90a_gemm.json)
 TUNE_MARGIN = 0.97  # tuning replaces the ranking's pick only with a kernel this much faster: two timings of
