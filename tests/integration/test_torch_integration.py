@@ -671,10 +671,10 @@ def test_the_eager_fast_path_remembers_only_whole_results_on_the_callers_tensors
 
 @pytest.mark.parametrize("stride", [1, 2])
 def test_training_calls_launch_every_direction_through_remembered_calls(reg, monkeypatch, stride):
-    """A training step's conv without bias (forward with grad, then bwd_data and bwd_weight in the backward pass) launches each
-    direction through a call remembered on the first step, on each step's new tensors: outputs and gradients stay
-    exact step after step. The strided input gradient runs by phase (several launches and copies): never
-    remembered. Those entries never answer a call that records a gradient, and a second derivative through
+    """A training step's conv without bias (forward with grad, then bwd_data and bwd_weight in the backward pass)
+    launches each direction through a call remembered on the first step, on each step's new tensors: outputs and
+    gradients stay exact step after step. The strided input gradient runs by phase (several launches and copies):
+    never remembered. Those entries never answer a call that records a gradient, and a second derivative through
     the backward pass is refused, as torch's once-differentiable functions refuse it."""
     h = tdt.register(reg)
     reg.clear_caches()
