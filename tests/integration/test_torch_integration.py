@@ -669,6 +669,14 @@ def test_the_eager_fast_path_remembers_only_whole_results_on_the_callers_tensors
     assert _remembered(reg) == 0
 
 
+def _count_remembered_launches(monkeypatch) -> list:
+    """A list that gets an item per launch of a remembered call."""
+    served = []
+    fast_call = tdt._FastCall.__call__
+    monkeypatch.setattr(tdt._FastCall, "__call__", lambda self, *a: served.append(1) or fast_call(self, *a))
+    return served
+
+
 @pytest.mark.parametrize("stride", [1, 2])
 def test_training_calls_launch_every_direction_through_remembered_calls(reg, monkeypatch, stride):
     """A training step's conv without bias (forward with grad, then bwd_data and bwd_weight in the backward pass)
@@ -678,9 +686,7 @@ def test_training_calls_launch_every_direction_through_remembered_calls(reg, mon
     the backward pass is refused, as torch's once-differentiable functions refuse it."""
     h = tdt.register(reg)
     reg.clear_caches()
-    served = []
-    fast_call = tdt._FastCall.__call__
-    monkeypatch.setattr(tdt._FastCall, "__call__", lambda self, *a: served.append(1) or fast_call(self, *a))
+    served = _count_remembered_launches(monkeypatch)
     for step in range(3):
         x = leaf(rand(2, 8, 6, 6, seed=60 + step).contiguous(memory_format=torch.channels_last))
         w = leaf(rand(8, 8, 3, 3, seed=63 + step).contiguous(memory_format=torch.channels_last))
@@ -721,9 +727,7 @@ def test_linear_training_steps_stay_exact_through_remembered_calls(reg, monkeypa
     launches every GEMM through a call remembered on the first step, on each step's new tensors."""
     h = tdt.register(reg)
     reg.clear_caches()
-    served = []
-    fast_call = tdt._FastCall.__call__
-    monkeypatch.setattr(tdt._FastCall, "__call__", lambda self, *a: served.append(1) or fast_call(self, *a))
+    served = _count_remembered_launches(monkeypatch)
     for step in range(3):
         x, w, b = leaf(rand(6, 16, seed=80 + step)), leaf(rand(8, 16, seed=83 + step)), leaf(rand(8, seed=86 + step))
         y = tdt.linear(x, w, b, registry=h, activation="relu")
