@@ -974,7 +974,7 @@ class _ConvFunction(torch.autograd.Function):
     def forward(ctx, spec, x, w, bias, *residuals):
         stride, dilation, pad_lo, pad_hi, groups, handle, activation, clamp, geo = spec
         x, w = _channels_last(x), _channels_last(w)  # converted once, kept for the backward pass
-        if geo is None or _compiling():  # traced: no per-call state is read or written inside a graph
+        if geo is None:  # traced (_conv passes None then): no per-call state is read or written inside a graph
             y = _conv_fwd(x, w, bias, stride, dilation, pad_lo, pad_hi, groups, handle, None, residuals, activation,
                           clamp)
         else:
@@ -1005,7 +1005,7 @@ def _conv_backward(ctx, gy):
     gy = _channels_last(gy)
     needs = ctx.needs_input_grad
     dx = dw = db = None
-    direct = geo is not None and not _compiling()
+    direct = geo is not None  # not traced (see forward)
     if needs[1]:
         args = (gy, w, x.shape[2:], stride, dilation, pad_lo, pad_hi, groups, handle)
         dx = (_remembered(handle, gy, w, None, (), ("bwd_data", geo, args[2]), _conv_bwd_data, *args) if direct
@@ -1199,10 +1199,16 @@ def _remembered(handle: int, a, b, bias, residuals: tuple, options: tuple, run, 
         out = _fast_call(handle, a, key, pointers)
         if out is not None:
             return out
+    return _run_remembering(handle, a, key, True, len(residuals), run, *args)
+
+
+def _run_remembering(handle: int, first: torch.Tensor, key, grad: bool, residuals: int, run, *args) -> torch.Tensor:
+    """run(*args), remembered under key (None: not remembered) when it launched one kernel on the caller's tensors
+    as given (grad: the entry serves only calls that record no gradient)."""
     _DIRECT.launch = None
     out = run(*args)
     if key is not None:
-        _remember(handle, a, key, out, True, len(residuals))
+        _remember(handle, first, key, out, grad, residuals)
     return out
 
 
@@ -1385,16 +1391,15 @@ def _conv(x, weight, bias, stride, dilation, lo, hi, groups: int, handle: int, g
     if _any_autocast():
         x, weight, bias, *residuals = _autocast((x, weight, bias, *residuals))
     if _needs_grad(x, weight, bias, *residuals):
-        if geo is None and not _compiling():  # the eager calls' launches are remembered under their _Geometry
+        if _compiling():  # traced: the autograd Function reads and writes no per-call state (it sees geo None)
+            geo = None
+        elif geo is None:  # the eager calls' launches are remembered under their _Geometry
             geo = _geometry(stride, dilation, lo, hi, groups)
         return _ConvFunction.apply((stride, dilation, lo, hi, groups, handle, activation, clamp, geo), x, weight,
                                    bias, *residuals)
-    _DIRECT.launch = None
-    y = _conv_fwd(x, weight, bias, stride, dilation, lo, hi, groups, handle, geo, residuals, activation, clamp)
-    if key is not None:
-        _remember(handle, x, key, y, any(t is not None and t.requires_grad for t in (x, weight, bias, *residuals)),
-                  len(residuals))
-    return y
+    grad = any(t is not None and t.requires_grad for t in (x, weight, bias, *residuals))
+    return _run_remembering(handle, x, key, grad, len(residuals), _conv_fwd, x, weight, bias, stride, dilation, lo, hi,
+                            groups, handle, geo, residuals, activation, clamp)
 
 
 # -- patch / unpatch -----------------------------------------------------------------------------------------
