@@ -923,44 +923,73 @@ def _product(a, b, handle: int) -> torch.Tensor:
     return _remembered(handle, a, b, None, (), _PRODUCT, _gemm, a, b, None, (), "identity", *NO_CLAMP, handle)
 
 
-# The autograd Functions take their options as one tuple (a `spec`): every argument of apply costs host time on
-# each call. Their backward passes are marked once-differentiable only where a second derivative could be asked
-# for (grad mode on inside backward: create_graph=True); the marking's wrapper costs host time on every call.
+# A differentiable call is recorded by the native module's C++ autograd node where it can be (_record: eager, the
+# module built), else by the autograd Functions below (traced by torch.compile, or without the native module). Both
+# run the same forward and backward functions: forward(spec, *inputs) -> (output, saved tensors), backward((saved,
+# spec, needs), grad) -> one gradient per input, needs saying which inputs want one. The options travel as one
+# tuple (a `spec`): every argument of a call costs host time. A backward pass is marked once-differentiable only
+# where a second derivative could be asked for (grad mode on inside backward: create_graph=True); the marking's
+# wrapper costs host time on every call.
+def _record(function, forward, backward, backward_once, name: str, spec, *inputs) -> torch.Tensor:
+    """function.apply(spec, *inputs), or the same call recorded by the C++ node, which costs less host time."""
+    if _NATIVE_RECORD is _UNRESOLVED:
+        _resolve_native()
+    if (_NATIVE_RECORD is not None and _CAN_CALL_DIRECTLY and not _compiling() and _functorch_level() is None
+            and _tracing_state() is None):
+        return _NATIVE_RECORD(forward, backward, backward_once, spec, name, *inputs)
+    return function.apply(spec, *inputs)
+
+
+def _gemm_forward(spec, a, b, bias, *residuals):
+    activation, clamp, handle = spec
+    if _compiling():  # traced: no per-call state is read or written inside a graph
+        out = _gemm(a, b, bias, residuals, activation, *clamp, handle)
+    else:
+        out = _remembered(handle, a, b, bias, residuals, ("gemm", activation, clamp), _gemm, a, b, bias, residuals,
+                          activation, *clamp, handle)
+    return out, (a, b, bias, out, *(residuals if activation in _NEEDS_PRE else ()))
+
+
 class _GemmFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec, a, b, bias, *residuals):
-        activation, clamp, handle = spec
-        if _compiling():  # traced: no per-call state is read or written inside a graph
-            out = _gemm(a, b, bias, residuals, activation, *clamp, handle)
-        else:
-            out = _remembered(handle, a, b, bias, residuals, ("gemm", activation, clamp), _gemm, a, b, bias, residuals,
-                              activation, *clamp, handle)
+        out, saved = _gemm_forward(spec, a, b, bias, *residuals)
         ctx.spec = spec
-        ctx.save_for_backward(a, b, bias, out, *(residuals if activation in _NEEDS_PRE else ()))
+        ctx.save_for_backward(*saved)
         return out
 
     @staticmethod
     def backward(ctx, g):
-        if torch.is_grad_enabled():
-            return _gemm_backward_once(ctx, g)
-        return _gemm_backward(ctx, g)
+        backward = _gemm_backward_once if torch.is_grad_enabled() else _gemm_backward
+        return (None, *backward((ctx.saved_tensors, ctx.spec, ctx.needs_input_grad[1:]), g))
 
 
-def _gemm_backward(ctx, g):
-    a, b, bias, out, *residuals = ctx.saved_tensors
-    activation, clamp, handle = ctx.spec
+def _gemm_backward(state, g):
+    (a, b, bias, out, *residuals), (activation, clamp, handle), needs = state
     pre = None
     if activation in _NEEDS_PRE:  # recomputed through the bundle rather than stored by the forward pass
         pre = _gemm(a, b, bias, residuals, "identity", *NO_CLAMP, handle)
     g = _activation_grad(g.contiguous(), out, pre, activation, clamp)
-    needs = ctx.needs_input_grad
-    ga = _grad_in_layout_of(a, g, b.mT, handle) if needs[1] else None
-    gb = _grad_in_layout_of(b, a.mT, g, handle) if needs[2] else None
-    gbias = g.sum(dim=tuple(range(g.dim() - 1))) if needs[3] else None
-    return (None, ga, gb, gbias, *(g if need else None for need in needs[4:]))
+    ga = _grad_in_layout_of(a, g, b.mT, handle) if needs[0] else None
+    gb = _grad_in_layout_of(b, a.mT, g, handle) if needs[1] else None
+    gbias = g.sum(dim=tuple(range(g.dim() - 1))) if needs[2] else None
+    return (ga, gb, gbias, *(g if need else None for need in needs[3:]))
 
 
 _gemm_backward_once = torch.autograd.function.once_differentiable(_gemm_backward)
+
+
+def _conv_forward(spec, x, w, bias, *residuals):
+    stride, dilation, pad_lo, pad_hi, groups, handle, activation, clamp, geo = spec
+    x, w = _channels_last(x), _channels_last(w)  # converted once, kept for the backward pass
+    if geo is None:  # traced (_conv passes None then): no per-call state is read or written inside a graph
+        y = _conv_fwd(x, w, bias, stride, dilation, pad_lo, pad_hi, groups, handle, None, residuals, activation, clamp)
+    else:
+        y = _remembered(handle, x, w, bias, residuals, ("conv", activation, clamp, geo), _conv_fwd, x, w, bias,
+                        stride, dilation, pad_lo, pad_hi, groups, handle, geo, residuals, activation, clamp)
+    if activation in _NEEDS_PRE:
+        return y, (x, w, bias, None, *residuals)
+    return y, (x, w, None, y if activation != "identity" else None)
 
 
 class _ConvFunction(torch.autograd.Function):
@@ -972,51 +1001,39 @@ class _ConvFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, spec, x, w, bias, *residuals):
-        stride, dilation, pad_lo, pad_hi, groups, handle, activation, clamp, geo = spec
-        x, w = _channels_last(x), _channels_last(w)  # converted once, kept for the backward pass
-        if geo is None:  # traced (_conv passes None then): no per-call state is read or written inside a graph
-            y = _conv_fwd(x, w, bias, stride, dilation, pad_lo, pad_hi, groups, handle, None, residuals, activation,
-                          clamp)
-        else:
-            y = _remembered(handle, x, w, bias, residuals, ("conv", activation, clamp, geo), _conv_fwd, x, w, bias,
-                            stride, dilation, pad_lo, pad_hi, groups, handle, geo, residuals, activation, clamp)
+        y, saved = _conv_forward(spec, x, w, bias, *residuals)
         ctx.spec = spec
-        if activation in _NEEDS_PRE:
-            ctx.save_for_backward(x, w, bias, None, *residuals)
-        else:
-            ctx.save_for_backward(x, w, None, y if activation != "identity" else None)
+        ctx.save_for_backward(*saved)
         return y
 
     @staticmethod
     def backward(ctx, gy):
-        if torch.is_grad_enabled():
-            return _conv_backward_once(ctx, gy)
-        return _conv_backward(ctx, gy)
+        backward = _conv_backward_once if torch.is_grad_enabled() else _conv_backward
+        return (None, *backward((ctx.saved_tensors, ctx.spec, ctx.needs_input_grad[1:]), gy))
 
 
-def _conv_backward(ctx, gy):
-    x, w, bias, out, *residuals = ctx.saved_tensors
-    stride, dilation, pad_lo, pad_hi, groups, handle, activation, clamp, geo = ctx.spec
+def _conv_backward(state, gy):
+    (x, w, bias, out, *residuals), spec, needs = state
+    stride, dilation, pad_lo, pad_hi, groups, handle, activation, clamp, geo = spec
     if activation != "identity":
         pre = None
         if activation in _NEEDS_PRE:  # recomputed through the bundle rather than stored by the forward pass
             pre = _conv_fwd(x, w, bias, stride, dilation, pad_lo, pad_hi, groups, handle, geo, tuple(residuals))
         gy = _activation_grad(gy, out, pre, activation, clamp)
     gy = _channels_last(gy)
-    needs = ctx.needs_input_grad
     dx = dw = db = None
     direct = geo is not None  # not traced (see forward)
-    if needs[1]:
+    if needs[0]:
         args = (gy, w, x.shape[2:], stride, dilation, pad_lo, pad_hi, groups, handle)
         dx = (_remembered(handle, gy, w, None, (), ("bwd_data", geo, args[2]), _conv_bwd_data, *args) if direct
               else _conv_bwd_data(*args))
-    if needs[2]:
+    if needs[1]:
         args = (x, gy, w.shape[2:], stride, dilation, pad_lo, pad_hi, groups, handle)
         dw = (_remembered(handle, x, gy, None, (), ("bwd_weight", geo, args[2]), _conv_bwd_weight, *args) if direct
               else _conv_bwd_weight(*args))
-    if needs[3]:
+    if needs[2]:
         db = gy.sum(dim=(0, *range(2, gy.dim())))
-    return (None, dx, dw, db, *(gy if need else None for need in needs[4:]))
+    return (dx, dw, db, *(gy if need else None for need in needs[3:]))
 
 
 _conv_backward_once = torch.autograd.function.once_differentiable(_conv_backward)
@@ -1138,14 +1155,14 @@ def _slot_sources(launcher, pointers, residuals: int) -> tuple:
 
 _UNRESOLVED = object()
 # the native fast path's functions (native/torch_fastpath.cpp), looked up at the first call; None without it
-_NATIVE_PRINTS = _NATIVE_LAUNCHER = _NATIVE_LAUNCH = _UNRESOLVED
+_NATIVE_PRINTS = _NATIVE_LAUNCHER = _NATIVE_LAUNCH = _NATIVE_RECORD = _UNRESOLVED
 
 
 def _resolve_native() -> None:
-    global _NATIVE_PRINTS, _NATIVE_LAUNCHER, _NATIVE_LAUNCH
+    global _NATIVE_PRINTS, _NATIVE_LAUNCHER, _NATIVE_LAUNCH, _NATIVE_RECORD
     module = native.torch_fastpath()
-    _NATIVE_PRINTS, _NATIVE_LAUNCHER, _NATIVE_LAUNCH = (None, None, None) if module is None else (
-        module.eager_prints, module.launcher, module.launch)
+    _NATIVE_PRINTS, _NATIVE_LAUNCHER, _NATIVE_LAUNCH, _NATIVE_RECORD = (None, None, None, None) if module is None else (
+        module.eager_prints, module.launcher, module.launch, module.record)
 
 
 def _fast_key(a, b, bias, residuals: tuple, options: tuple):
@@ -1212,6 +1229,9 @@ def _run_remembering(handle: int, first: torch.Tensor, key, grad: bool, residual
     return out
 
 
+_grad_enabled = torch.is_grad_enabled  # a C function: no Python frame where grad mode is off (inference)
+
+
 def _needs_grad(*tensors) -> bool:
     if not torch.is_grad_enabled():
         return False
@@ -1241,8 +1261,9 @@ def _matmul(a, b, bias, residuals: tuple, activation: str, low: float, high: flo
             key=_OWN_KEY) -> torch.Tensor:
     """matmul() on checked options. key: the fast path's key of the caller's call, which the caller looked up
     already (None: the call is not to be remembered)."""
-    if key is _OWN_KEY:
-        key, pointers = _fast_key(a, b, bias, residuals, ("gemm", activation, low, high))
+    if key is _OWN_KEY:  # a call that records a gradient is never served by a remembered call: not looked up
+        key, pointers = (None, None) if _grad_enabled() and _needs_grad(a, b, bias, *residuals) else _fast_key(
+            a, b, bias, residuals, ("gemm", activation, low, high))
         if key is not None:
             out = _fast_call(handle, a, key, pointers)
             if out is not None:
@@ -1262,7 +1283,8 @@ def _matmul(a, b, bias, residuals: tuple, activation: str, low: float, high: flo
         a, residuals = rows, rows_of_residuals
     grad = _needs_grad(a, b, bias, *residuals)
     if grad:
-        out = _GemmFunction.apply((activation, (low, high), handle), a, b, bias, *residuals)
+        out = _record(_GemmFunction, _gemm_forward, _gemm_backward, _gemm_backward_once, "TiledispatchGemmBackward",
+                      (activation, (low, high), handle), a, b, bias, *residuals)
     else:
         _DIRECT.launch = None
         out = _gemm(a, b, bias, residuals, activation, low, high, handle)
@@ -1287,6 +1309,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 def _linear(x, weight, bias, residuals: tuple, activation: str, low: float, high: float, handle: int) -> torch.Tensor:
     """linear() on checked options (the patched and fused layers call it): the fast path under the key of (x,
     weight), which saves the transposed view of the weight that _matmul takes."""
+    if _grad_enabled() and _needs_grad(x, weight, bias, *residuals):  # never served by a remembered call: not looked up
+        return _matmul(x, weight.t(), bias, residuals, activation, low, high, handle, None)
     key, pointers = _fast_key(x, weight, bias, residuals, ("linear", activation, low, high))
     if key is not None:
         out = _fast_call(handle, x, key, pointers)
@@ -1328,7 +1352,8 @@ def conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     handle = register(registry)
     key = _OWN_KEY
     if (pad_lo is None and pad_hi is None and clamp is None and type(stride) is int and type(padding) is int
-            and type(dilation) is int and type(groups) is int and type(activation) is str):
+            and type(dilation) is int and type(groups) is int and type(activation) is str
+            and not (_grad_enabled() and _needs_grad(x, weight, bias))):
         # the common call, looked up under its options as given before they are checked: only a call that passed
         # the checks is remembered, and plain types keep True or 1.0 from finding the entry of 1
         residuals = residuals if type(residuals) is tuple else tuple(residuals)
@@ -1380,6 +1405,15 @@ def _check_conv_ranks(x, weight, rank: int) -> None:
 def _conv(x, weight, bias, stride, dilation, lo, hi, groups: int, handle: int, geo: Optional[_Geometry] = None,
           residuals: tuple = (), activation: str = "identity", clamp: tuple = NO_CLAMP, key=_OWN_KEY):
     """conv() on checked arguments (geo: their _Geometry, when the caller keeps it). key: as _matmul's."""
+    if _grad_enabled() and _needs_grad(x, weight, bias, *residuals):
+        if _any_autocast():
+            x, weight, bias, *residuals = _autocast((x, weight, bias, *residuals))
+        if _compiling():  # traced: the autograd Function reads and writes no per-call state (it sees geo None)
+            geo = None
+        elif geo is None:  # the eager calls' launches are remembered under their _Geometry
+            geo = _geometry(stride, dilation, lo, hi, groups)
+        return _record(_ConvFunction, _conv_forward, _conv_backward, _conv_backward_once, "TiledispatchConvBackward",
+                       (stride, dilation, lo, hi, groups, handle, activation, clamp, geo), x, weight, bias, *residuals)
     if key is _OWN_KEY:
         key, pointers = _fast_key(x, weight, bias, residuals, ("conv", activation, clamp, geo) if geo is not None else
                                   ("conv", activation, clamp, tuple(stride), tuple(dilation), tuple(lo), tuple(hi),
@@ -1390,13 +1424,6 @@ def _conv(x, weight, bias, stride, dilation, lo, hi, groups: int, handle: int, g
                 return y
     if _any_autocast():
         x, weight, bias, *residuals = _autocast((x, weight, bias, *residuals))
-    if _needs_grad(x, weight, bias, *residuals):
-        if _compiling():  # traced: the autograd Function reads and writes no per-call state (it sees geo None)
-            geo = None
-        elif geo is None:  # the eager calls' launches are remembered under their _Geometry
-            geo = _geometry(stride, dilation, lo, hi, groups)
-        return _ConvFunction.apply((stride, dilation, lo, hi, groups, handle, activation, clamp, geo), x, weight,
-                                   bias, *residuals)
     grad = any(t is not None and t.requires_grad for t in (x, weight, bias, *residuals))
     return _run_remembering(handle, x, key, grad, len(residuals), _conv_fwd, x, weight, bias, stride, dilation, lo, hi,
                             groups, handle, geo, residuals, activation, clamp)

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import types
+import weakref
 from pathlib import Path
 
 import pytest
@@ -740,6 +741,69 @@ def test_linear_training_steps_stay_exact_through_remembered_calls(reg, monkeypa
         for mine, theirs in ((x, xr), (w, wr), (b, br)):
             assert rel_err(mine.grad, theirs.grad) < GRAD_TOL[torch.float32], step
     assert len(served) == 2 * 3  # steps 1 and 2: the forward GEMM and both gradient GEMMs
+
+
+@pytest.mark.parametrize("recorder", ["native", "function"])
+def test_training_calls_are_recorded_by_the_native_node_as_by_the_autograd_function(reg, monkeypatch, recorder):
+    """A differentiable call is recorded by the native module's C++ autograd node (eager, the module built) or by
+    the autograd Function (traced, or without the module): gradients exact through bias, a residual and an
+    activation whose derivative needs the saved output (relu) or the recomputed pre-activation (gelu); a saved
+    tensor changed in place, a second backward pass without retain_graph and an error inside the backward pass
+    are refused as torch refuses them; the graph keeps nothing alive once its output is gone."""
+    native = td.native.torch_fastpath() if recorder == "native" else None
+    assert native is not None or recorder == "function", "the native module was not built: see its .failed file"
+    monkeypatch.setattr(tdt, "_NATIVE_RECORD", native and native.record)
+    h = tdt.register(reg)
+    node = {"native": ("TiledispatchConvBackward", "TiledispatchGemmBackward"),
+            "function": ("_ConvFunctionBackward", "_GemmFunctionBackward")}[recorder]
+    for step, activation in enumerate(("relu", "gelu_tanh", "relu")):  # the third: remembered launches
+        x = leaf(rand(2, 8, 6, 6, seed=90).contiguous(memory_format=torch.channels_last))
+        w = leaf(rand(8, 8, 3, 3, seed=91).contiguous(memory_format=torch.channels_last))
+        b, r = leaf(rand(8, seed=92)), leaf(rand(2, 8, 6, 6, seed=93).contiguous(memory_format=torch.channels_last))
+        y = tdt.conv(x, w, b, registry=h, padding=1, residuals=[r], activation=activation)
+        assert y.grad_fn.name() == node[0]
+        refs = [leaf(t.double()) for t in (x, w, b, r)]
+        pre = F.conv2d(refs[0], refs[1], refs[2], padding=1) + refs[3]
+        ref = pre.relu() if activation == "relu" else F.gelu(pre, approximate="tanh")
+        assert rel_err(y, ref) < TOL[torch.float32]
+        g = rand(*y.shape, seed=94).contiguous(memory_format=torch.channels_last)
+        y.backward(g)
+        ref.backward(g.double())
+        for mine, theirs in zip((x, w, b, r), refs):
+            assert rel_err(mine.grad, theirs.grad) < GRAD_TOL[torch.float32], (step, activation)
+        a, wl, bl = leaf(rand(4, 16, seed=95)), leaf(rand(8, 16, seed=96)), leaf(rand(8, seed=97))
+        out = tdt.linear(a, wl, bl, registry=h, activation=activation)
+        assert out.grad_fn.name() == node[1]
+        refs = [leaf(t.double()) for t in (a, wl, bl)]
+        pre = F.linear(*refs)
+        (pre.relu() if activation == "relu" else F.gelu(pre, approximate="tanh")).sum().backward()
+        out.sum().backward()
+        for mine, theirs in zip((a, wl, bl), refs):
+            assert rel_err(mine.grad, theirs.grad) < GRAD_TOL[torch.float32], (step, activation)
+    y = tdt.conv(x, w, registry=h, padding=1, activation="relu")
+    y.sum().backward(retain_graph=True)
+    y.sum().backward()  # retained: the second pass accumulates
+    with pytest.raises(RuntimeError, match="second time"):
+        y.sum().backward()
+    y = tdt.conv(x, w, registry=h, padding=1)
+    with torch.no_grad():
+        w.add_(1)  # a saved tensor changed in place after the forward pass
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+    def refuse(*_):
+        raise td.InvalidInputError("refused in the backward pass")
+
+    backward = tdt._conv_backward
+    monkeypatch.setattr(tdt, "_conv_backward", refuse)
+    with pytest.raises(td.InvalidInputError, match="refused in the backward pass"):
+        tdt.conv(x, w, registry=h, padding=1).sum().backward()
+    monkeypatch.setattr(tdt, "_conv_backward", backward)
+    kept = leaf(rand(2, 8, 6, 6, seed=98).contiguous(memory_format=torch.channels_last))
+    alive = weakref.ref(kept)
+    y = tdt.conv(kept, w, registry=h, padding=1, activation="relu")  # the node saves kept and its own output
+    del kept, y
+    assert alive() is None, "the recorded graph outlived its output"
 
 
 def test_patch_matches_the_unpatched_model_and_unpatch_restores(reg, monkeypatch):

@@ -22,16 +22,35 @@
 // calls it. It returns the output; None when nothing was launched because the output's alignment
 // differs from the validated one or the allocation failed (the caller takes the full path); else an int: td_run's
 // status, or kOverlap (the caller's Python path says what is wrong). More than 8 pointers: None, nothing allocated.
+//
+// record(forward, backward, backward_once, spec, name, *inputs) -> output: a differentiable call whose forward and
+// backward passes are Python functions, recorded in the autograd graph by a C++ node. torch.autograd.Function does
+// the same with a Python context object and node, which cost more host time than a remembered launch (a trivial
+// Function's forward and backward: 2-3x a C++ operator's). With grad mode off (a C++ guard), it calls
+// forward(spec, *inputs) -> (output, saved): a new tensor, and the tensors (or None) the backward pass needs, the
+// output among them by identity. A node named `name` then takes the inputs' gradient edges; its backward pass calls
+// backward((saved, spec, needs), grad) -> one gradient (or None) per input, needs saying which inputs want one,
+// or backward_once where grad mode is on in the backward pass (create_graph=True). Saved tensors are checked for
+// in-place changes when the backward pass reads them, as save_for_backward's are. Inputs: tensors or None.
 #include <Python.h>
 
 #include <memory>
+#include <mutex>
+#include <string>
+#include <type_traits>
+#include <vector>
 
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/ops/empty_strided.h>
 #include <c10/core/TensorOptions.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/jit/frontend/tracer.h>
 #include <torch/csrc/profiler/api.h>
 
@@ -271,6 +290,207 @@ PyObject* launch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return THPVariable_Wrap(std::move(made));
 }
 
+// -- record: a C++ autograd node around Python forward and backward functions --------------------------------
+using torch::autograd::Node;
+using torch::autograd::SavedVariable;
+using torch::autograd::variable_list;
+
+// Holds a Python reference; drops it with the GIL (a node may die on an autograd worker thread).
+struct PyRef {
+  PyObject* object;
+  explicit PyRef(PyObject* o) : object(Py_NewRef(o)) {}
+  PyRef(const PyRef&) = delete;
+  PyRef& operator=(const PyRef&) = delete;
+  ~PyRef() {
+    if (!Py_IsInitialized()) return;  // the interpreter is gone: nothing to release into
+    PyGILState_STATE gil = PyGILState_Ensure();
+    Py_DECREF(object);
+    PyGILState_Release(gil);
+  }
+};
+
+struct PythonBackward : Node {
+  PyRef backward, backward_once, spec;
+  std::string label;
+  std::vector<SavedVariable> saved;
+  std::vector<bool> saved_none;
+
+  PythonBackward(PyObject* b, PyObject* once, PyObject* s, std::string name)
+      : backward(b), backward_once(once), spec(s), label(std::move(name)) {}
+
+  std::string name() const override { return label; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& s : saved) s.reset_data();
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const size_t outputs = num_outputs();
+    variable_list result(outputs);
+    if (grads.empty() || !grads[0].defined()) return result;  // a zero gradient in: zero (undefined) ones out
+    std::vector<at::Tensor> unpacked;
+    unpacked.reserve(saved.size());
+    for (size_t i = 0; i < saved.size(); ++i)  // unpack() raises where a saved tensor changed in place since
+      unpacked.push_back(saved_none[i] ? at::Tensor() : saved[i].unpack());
+    PyGILState_STATE gil = PyGILState_Ensure();
+    PyObject* answer = call(unpacked, grads[0]);
+    const bool ok = answer != nullptr && take(answer, result);
+    Py_XDECREF(answer);
+    if (!ok) {
+      python_error error;
+      error.persist();  // fetches the Python exception; the caller's backward() raises it again
+      PyGILState_Release(gil);
+      throw std::move(error);
+    }
+    PyGILState_Release(gil);
+    return result;
+  }
+
+ private:
+  PyObject* wrap(const at::Tensor& t) { return t.defined() ? THPVariable_Wrap(t) : Py_NewRef(Py_None); }
+
+  // backward((saved, spec, needs), grad), with the GIL
+  PyObject* call(const std::vector<at::Tensor>& unpacked, const at::Tensor& grad) {
+    PyObject* saved_tuple = PyTuple_New(unpacked.size());
+    PyObject* needs = PyTuple_New(num_outputs());
+    PyObject* g = wrap(grad);
+    PyObject* state = nullptr;
+    PyObject* answer = nullptr;
+    if (saved_tuple && needs && g) {
+      bool filled = true;
+      for (size_t i = 0; i < unpacked.size() && filled; ++i) {
+        PyObject* item = wrap(unpacked[i]);
+        filled = item != nullptr;
+        if (filled) PyTuple_SET_ITEM(saved_tuple, i, item);
+      }
+      for (size_t i = 0; i < num_outputs(); ++i)
+        PyTuple_SET_ITEM(needs, i, Py_NewRef(should_compute_output(i) ? Py_True : Py_False));
+      if (filled) state = PyTuple_Pack(3, saved_tuple, spec.object, needs);
+      if (state) {
+        PyObject* fn = torch::autograd::GradMode::is_enabled() ? backward_once.object : backward.object;
+        answer = PyObject_CallFunctionObjArgs(fn, state, g, nullptr);
+      }
+    }
+    Py_XDECREF(saved_tuple);
+    Py_XDECREF(needs);
+    Py_XDECREF(g);
+    Py_XDECREF(state);
+    return answer;
+  }
+
+  // answer: one gradient or None per input, into result; false with a Python exception set
+  bool take(PyObject* answer, variable_list& result) {
+    if (!PyTuple_Check(answer) || PyTuple_GET_SIZE(answer) != static_cast<Py_ssize_t>(result.size())) {
+      PyErr_Format(PyExc_RuntimeError, "%s: the backward function returned %R, expected a tuple of %zd gradients",
+                   label.c_str(), answer, static_cast<Py_ssize_t>(result.size()));
+      return false;
+    }
+    for (size_t i = 0; i < result.size(); ++i) {
+      PyObject* item = PyTuple_GET_ITEM(answer, i);
+      if (item == Py_None) continue;
+      if (!THPVariable_Check(item)) {
+        PyErr_Format(PyExc_TypeError, "%s: gradient %zd is %R, not a tensor", label.c_str(),
+                     static_cast<Py_ssize_t>(i), item);
+        return false;
+      }
+      result[i] = THPVariable_Unpack(item);
+    }
+    return true;
+  }
+};
+
+// The pointer type the autograd graph holds nodes by: std::shared_ptr in older torch, c10::intrusive_ptr in newer.
+using NodePtr = std::decay_t<decltype(std::declval<torch::autograd::Edge&>().function)>;
+
+template <typename Ptr>
+struct MakeNode;
+template <typename T>
+struct MakeNode<std::shared_ptr<T>> {
+  template <typename N, typename... A>
+  static std::shared_ptr<N> make(A&&... args) { return std::make_shared<N>(std::forward<A>(args)...); }
+};
+template <typename T>
+struct MakeNode<c10::intrusive_ptr<T>> {
+  template <typename N, typename... A>
+  static c10::intrusive_ptr<N> make(A&&... args) { return c10::make_intrusive<N>(std::forward<A>(args)...); }
+};
+
+PyObject* record(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  constexpr Py_ssize_t kFixed = 5;
+  if (nargs < kFixed || !PyUnicode_Check(args[4])) {
+    PyErr_SetString(PyExc_TypeError, "record(forward, backward, backward_once, spec, name: str, *inputs)");
+    return nullptr;
+  }
+  std::vector<at::Tensor> inputs;
+  for (Py_ssize_t i = kFixed; i < nargs; ++i) {
+    if (args[i] != Py_None && !THPVariable_Check(args[i])) {
+      PyErr_Format(PyExc_TypeError, "record: input %zd is %R, not a tensor or None", i - kFixed, args[i]);
+      return nullptr;
+    }
+    inputs.push_back(args[i] == Py_None ? at::Tensor() : THPVariable_Unpack(args[i]));
+  }
+  PyObject* made;
+  {
+    torch::autograd::AutoGradMode no_grad(false);
+    std::vector<PyObject*> call_args(args + 3, args + 4);  // spec, then the inputs
+    call_args.insert(call_args.end(), args + kFixed, args + nargs);
+    made = PyObject_Vectorcall(args[0], call_args.data(), call_args.size(), nullptr);
+  }
+  if (made == nullptr) return nullptr;
+  PyObject* output = nullptr;
+  PyObject* to_save = nullptr;
+  if (!PyTuple_Check(made) || PyTuple_GET_SIZE(made) != 2 || !THPVariable_Check(PyTuple_GET_ITEM(made, 0)) ||
+      !PyTuple_Check(PyTuple_GET_ITEM(made, 1))) {
+    PyErr_Format(PyExc_TypeError, "record: forward returned %R, expected (output tensor, saved tuple)", made);
+    Py_DECREF(made);
+    return nullptr;
+  }
+  output = PyTuple_GET_ITEM(made, 0);
+  to_save = PyTuple_GET_ITEM(made, 1);
+  bool wanted = false;
+  for (const auto& t : inputs) wanted = wanted || (t.defined() && t.requires_grad());
+  if (!torch::autograd::GradMode::is_enabled() || !wanted) {
+    PyObject* result = Py_NewRef(output);
+    Py_DECREF(made);
+    return result;
+  }
+  try {
+    at::Tensor y = THPVariable_Unpack(output);
+    if (y.is_view()) y = y.detach();  // a view made without grad would refuse in-place changes once recorded
+    std::string name(PyUnicode_AsUTF8(args[4]));
+    auto node = MakeNode<NodePtr>::make<PythonBackward>(args[1], args[2], args[3], std::move(name));
+    node->set_next_edges(torch::autograd::collect_next_edges(inputs));
+    torch::autograd::set_history(y, node);
+    const Py_ssize_t count = PyTuple_GET_SIZE(to_save);
+    node->saved.reserve(count);
+    for (Py_ssize_t i = 0; i < count; ++i) {
+      PyObject* item = PyTuple_GET_ITEM(to_save, i);
+      const bool none = item == Py_None;
+      if (!none && !THPVariable_Check(item)) {
+        PyErr_Format(PyExc_TypeError, "record: saved item %zd is %R, not a tensor or None", i, item);
+        Py_DECREF(made);
+        return nullptr;
+      }
+      node->saved_none.push_back(none);
+      if (none) {
+        node->saved.emplace_back();
+      } else if (item == output) {  // the output, detached: saved with its history it would keep the node alive
+        node->saved.emplace_back(y.detach(), false);
+      } else {
+        node->saved.emplace_back(THPVariable_Unpack(item), false);
+      }
+    }
+    Py_DECREF(made);
+    return THPVariable_Wrap(std::move(y));
+  } catch (...) {
+    Py_DECREF(made);
+    torch::translate_exception_to_python(std::current_exception());
+    return nullptr;
+  }
+}
+
 PyMethodDef methods[] = {
     {"prints", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(prints)), METH_FASTCALL,
      "prints(*tensors) -> (pointers, fingerprint bytes), or None for an argument this reader does not take"},
@@ -281,6 +501,8 @@ PyMethodDef methods[] = {
      "launcher(run, args, reason, reason_bytes, sources, written, written_span, reads, exact, align) -> record"},
     {"launch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(launch)), METH_FASTCALL,
      "launch(record, prototype, like, pointers, stream) -> output, None (not launched) or a status int"},
+    {"record", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(record)), METH_FASTCALL,
+     "record(forward, backward, backward_once, spec, name, *inputs) -> output, recorded for autograd"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "_td_torch_fastpath", nullptr, -1, methods};
