@@ -1229,6 +1229,13 @@ def _run_remembering(handle: int, first: torch.Tensor, key, grad: bool, residual
     return out
 
 
+def _check_tensors(op: str, operands: dict) -> None:
+    """A clear error for an operand that is not a torch.Tensor (bias: nor None)."""
+    for name, t in operands.items():
+        if not isinstance(t, torch.Tensor) and not (t is None and name == "bias"):
+            raise InvalidInputError(f"{op}: {name} is a {type(t).__name__}, expected a torch.Tensor")
+
+
 _grad_enabled = torch.is_grad_enabled  # a C function: no Python frame where grad mode is off (inference)
 
 
@@ -1236,7 +1243,7 @@ def _needs_grad(*tensors) -> bool:
     if not torch.is_grad_enabled():
         return False
     for t in tensors:
-        if t is not None and t.requires_grad:
+        if isinstance(t, torch.Tensor) and t.requires_grad:  # another object: refused by the caller's checks
             return True
     return False
 
@@ -1268,6 +1275,7 @@ def _matmul(a, b, bias, residuals: tuple, activation: str, low: float, high: flo
             out = _fast_call(handle, a, key, pointers)
             if out is not None:
                 return out
+    _check_tensors("matmul", {"a": a, "b": b, "bias": bias, **{f"residuals[{i}]": r for i, r in enumerate(residuals)}})
     if _any_autocast():
         a, b, bias, *residuals = _autocast((a, b, bias, *residuals))
     lead = None
@@ -1309,13 +1317,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 def _linear(x, weight, bias, residuals: tuple, activation: str, low: float, high: float, handle: int) -> torch.Tensor:
     """linear() on checked options (the patched and fused layers call it): the fast path under the key of (x,
     weight), which saves the transposed view of the weight that _matmul takes."""
-    if _grad_enabled() and _needs_grad(x, weight, bias, *residuals):  # never served by a remembered call: not looked up
-        return _matmul(x, weight.t(), bias, residuals, activation, low, high, handle, None)
-    key, pointers = _fast_key(x, weight, bias, residuals, ("linear", activation, low, high))
-    if key is not None:
-        out = _fast_call(handle, x, key, pointers)
-        if out is not None:
-            return out
+    key = None
+    if not (_grad_enabled() and _needs_grad(x, weight, bias, *residuals)):  # a grad call is never served by one
+        key, pointers = _fast_key(x, weight, bias, residuals, ("linear", activation, low, high))
+        if key is not None:
+            out = _fast_call(handle, x, key, pointers)
+            if out is not None:
+                return out
+    _check_tensors("linear", {"x": x, "weight": weight, "bias": bias,
+                              **{f"residuals[{i}]": r for i, r in enumerate(residuals)}})
     return _matmul(x, weight.t(), bias, residuals, activation, low, high, handle, key)
 
 
@@ -1352,8 +1362,7 @@ def conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     handle = register(registry)
     key = _OWN_KEY
     if (pad_lo is None and pad_hi is None and clamp is None and type(stride) is int and type(padding) is int
-            and type(dilation) is int and type(groups) is int and type(activation) is str
-            and not (_grad_enabled() and _needs_grad(x, weight, bias))):
+            and type(dilation) is int and type(groups) is int and type(activation) is str):
         # the common call, looked up under its options as given before they are checked: only a call that passed
         # the checks is remembered, and plain types keep True or 1.0 from finding the entry of 1
         residuals = residuals if type(residuals) is tuple else tuple(residuals)
@@ -1364,7 +1373,8 @@ def conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
                 return y
     if activation not in ACTIVATIONS:
         raise InvalidInputError(f"unknown activation {activation!r} (known: {', '.join(ACTIVATIONS)})")
-    rank = x.dim() - 2
+    _check_tensors("conv", {"bias": bias, **{f"residuals[{i}]": r for i, r in enumerate(residuals)}})
+    rank = x.dim() - 2 if isinstance(x, torch.Tensor) else 0
     _check_conv_ranks(x, weight, rank)
     low, high = NO_CLAMP if clamp is None else (float(clamp[0]), float(clamp[1]))
     if (pad_lo is None and pad_hi is None and type(stride) is int and type(padding) is int and type(dilation) is int
@@ -1397,6 +1407,8 @@ def _groups(value) -> int:
 
 
 def _check_conv_ranks(x, weight, rank: int) -> None:
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):  # inline: a layer's every call
+        _check_tensors("conv", {"x": x, "weight": weight})
     if rank not in (1, 2, 3) or weight.dim() != rank + 2:
         raise InvalidInputError(f"conv takes x [N, C, spatial...] with 1-3 spatial dims and weight [K, C/G, "
                                 f"filter...] of the same rank; got {list(x.shape)} and {list(weight.shape)}")
@@ -1523,7 +1535,7 @@ def _patched_conv_forward(self, x):
                         _per_dim("pad_lo", state["pad_lo"], rank), _per_dim("pad_hi", state["pad_hi"], rank),
                         _groups(self.groups))
         state["geometry"] = geo, source
-    rank = x.dim() - 2
+    rank = x.dim() - 2 if isinstance(x, torch.Tensor) else 0
     _check_conv_ranks(x, weight, rank if rank == geo.rank else 0)
     return _conv(x, weight, self.bias, geo.stride, geo.dilation, geo.pad_lo, geo.pad_hi, geo.groups,
                  state["handle"], geo)

@@ -181,6 +181,31 @@ def test_matmul_batched_and_strided_operands(reg):
     assert rel_err(b_s.grad, b_r.grad) < GRAD_TOL[torch.float32]
 
 
+def test_operands_that_are_not_tensors_are_refused_by_name(reg):
+    """Every torch function and patched layer names an operand that is not a torch.Tensor (a numpy array, a list,
+    None where a tensor is needed), with grad mode on and off, rather than failing inside on an attribute."""
+    x, w, xc, wc = rand(8, 16), rand(4, 16), rand(1, 8, 4, 4), rand(8, 8, 3, 3)
+    linear, conv = nn.Linear(16, 4), nn.Conv2d(8, 8, 3)
+    tdt.patch(linear, reg)
+    tdt.patch(conv, reg)
+    calls = [("linear: x is a ndarray", lambda: tdt.linear(x.numpy(), w, registry=reg)),
+             ("linear: weight is a NoneType", lambda: tdt.linear(x, None, registry=reg)),
+             ("linear: bias is a list", lambda: tdt.linear(x, w, [0.0] * 4, registry=reg)),
+             (r"linear: residuals\[0\] is a float", lambda: tdt.linear(x, w, registry=reg, residuals=[1.0])),
+             ("matmul: b is a ndarray", lambda: tdt.matmul(x, w.t().numpy(), registry=reg)),
+             ("conv: x is a list", lambda: tdt.conv(xc.tolist(), wc, registry=reg)),
+             ("conv: weight is a str", lambda: tdt.conv(xc, "w", registry=reg)),
+             ("conv: bias is a float", lambda: tdt.conv(xc, wc, 1.0, registry=reg)),
+             (r"conv: residuals\[0\] is a int", lambda: tdt.conv(xc, wc, registry=reg, residuals=[1])),
+             ("linear: x is a ndarray", lambda: linear(x.numpy())),
+             ("conv: x is a ndarray", lambda: conv(xc.numpy()))]
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            for message, call in calls:
+                with pytest.raises(td.InvalidInputError, match=message):
+                    call()
+
+
 def test_gemm_refusals_are_clear(reg):
     x, w = rand(8, 16), rand(4, 16)
     with pytest.raises(td.UnsupportedProblemError, match="no fp32 GEMM kernel .*gelu_erf"):

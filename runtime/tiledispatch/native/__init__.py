@@ -3,7 +3,9 @@
 torch_fastpath.cpp does the torch fast paths' per-call work on the at::Tensor behind each Python tensor: the
 fingerprints of a call's tensors (plan.prints3, Plan and tiledispatch.torch's call keys) and the eager operators'
 remembered calls (their mode checks, output allocation and launch), 2-5 us less host time per cached call
-(bench/results/native_fastpath_* and native_launch_*). It includes torch's headers, so it is built per torch
+(bench/results/native_fastpath_* and native_launch_*), and records the torch operators' differentiable calls in the
+autograd graph by a C++ node around their Python forward and backward functions (record), cheaper than an autograd
+Function's Python context and node. It includes torch's headers, so it is built per torch
 version, by the C++ compiler ($CXX, else c++), the first time a process needs it (about 10-20 s, with a message),
 into $TD_NATIVE_CACHE, else $XDG_CACHE_HOME/tiledispatch/native, else ~/.cache/tiledispatch/native. Every later
 process loads the built file. TD_NATIVE=0 turns it off. When it cannot be built, the reason is kept beside it
@@ -45,8 +47,8 @@ def enabled() -> bool:
 
 
 def torch_fastpath():
-    """The compiled module (prints, eager_prints, launcher, launch), built if needed; None when TD_NATIVE=0 or it
-    cannot be built here (warned once, with the reason's file)."""
+    """The compiled module (prints, eager_prints, launcher, launch, record), built if needed; None when TD_NATIVE=0
+    or it cannot be built here (warned once, with the reason's file)."""
     if not enabled():
         return None
     with _LOCK:
