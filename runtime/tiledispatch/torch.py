@@ -14,9 +14,9 @@ an operator takes no Python objects):
              registry)                                                  act(conv(x, w) + bias + sum(residuals))
     conv_bwd_data(dy, w, in_size, stride, dilation, pad_lo, pad_hi, groups, registry)
     conv_bwd_weight(x, dy, filter_size, stride, dilation, pad_lo, pad_hi, groups, registry)
-They are not differentiable themselves: linear(), matmul() and conv() are, through autograd Functions that
-call them (forward and backward), so torch.compile(fullgraph=True) traces both through the fake
-implementations.
+They are not differentiable themselves: linear(), matmul() and conv() are, recording their calls in the
+autograd graph (eagerly by the native module's C++ node, else by autograd Functions) with forward and backward
+functions that call them, so torch.compile(fullgraph=True) traces both through the fake implementations.
 
 Registration: torch.library.Library("tiledispatch", "DEF") with define + impl (a Python kernel per device
 key) + register_fake. Measured on CPU with torch 2.13 (a trivial kernel; bench/benchmarks/models.py records the
@@ -919,7 +919,15 @@ _PRODUCT = ("gemm", "identity", NO_CLAMP)  # the key options of _product's remem
 
 def _product(a, b, handle: int) -> torch.Tensor:
     """a @ b in a backward pass (traced by torch.compile's AOTAutograd with fake tensors: _remembered then runs
-    the operator)."""
+    the operator). An operand whose major order no kernel of the bundle takes is copied to one first, here rather
+    than inside the operator: the launch on the copy can then be remembered (a Linear's gradient GEMMs are rrr
+    and crr, which an rcr-only bundle runs only so)."""
+    if not _compiling():
+        route = _gemm_route(handle, a, b, "identity", False, 0)
+        if route.copy_a:
+            a = _to_major(a, route.copy_a)
+        if route.copy_b:
+            b = _to_major(b, route.copy_b)
     return _remembered(handle, a, b, None, (), _PRODUCT, _gemm, a, b, None, (), "identity", *NO_CLAMP, handle)
 
 
@@ -1207,10 +1215,10 @@ def _remember(handle: int, t: torch.Tensor, key, out: torch.Tensor, grad: bool, 
 
 
 def _remembered(handle: int, a, b, bias, residuals: tuple, options: tuple, run, *args) -> torch.Tensor:
-    """run(*args), a launch on (a, b, bias, *residuals) inside an autograd Function (no gradient recorded): the
-    call remembered under these tensors' fingerprints and options where there is one, else run itself,
-    remembered when it launched one kernel on those tensors as given. Its entry never serves a call that
-    records a gradient (the autograd Function must see that call)."""
+    """run(*args), a launch on (a, b, bias, *residuals) in a recorded call's forward or backward pass (no gradient
+    recorded): the call remembered under these tensors' fingerprints and options where there is one, else run
+    itself, remembered when it launched one kernel on those tensors as given. Its entry never serves a call that
+    records a gradient (autograd must record that call)."""
     key, pointers = _fast_key(a, b, bias, residuals, options)
     if key is not None:
         out = _fast_call(handle, a, key, pointers)
@@ -1229,8 +1237,9 @@ def _run_remembering(handle: int, first: torch.Tensor, key, grad: bool, residual
     return out
 
 
-def _check_tensors(op: str, operands: dict) -> None:
+def _check_tensors(op: str, residuals: Sequence = (), **operands) -> None:
     """A clear error for an operand that is not a torch.Tensor (bias: nor None)."""
+    operands.update((f"residuals[{i}]", r) for i, r in enumerate(residuals))
     for name, t in operands.items():
         if not isinstance(t, torch.Tensor) and not (t is None and name == "bias"):
             raise InvalidInputError(f"{op}: {name} is a {type(t).__name__}, expected a torch.Tensor")
@@ -1275,7 +1284,7 @@ def _matmul(a, b, bias, residuals: tuple, activation: str, low: float, high: flo
             out = _fast_call(handle, a, key, pointers)
             if out is not None:
                 return out
-    _check_tensors("matmul", {"a": a, "b": b, "bias": bias, **{f"residuals[{i}]": r for i, r in enumerate(residuals)}})
+    _check_tensors("matmul", residuals, a=a, b=b, bias=bias)
     if _any_autocast():
         a, b, bias, *residuals = _autocast((a, b, bias, *residuals))
     lead = None
@@ -1324,8 +1333,7 @@ def _linear(x, weight, bias, residuals: tuple, activation: str, low: float, high
             out = _fast_call(handle, x, key, pointers)
             if out is not None:
                 return out
-    _check_tensors("linear", {"x": x, "weight": weight, "bias": bias,
-                              **{f"residuals[{i}]": r for i, r in enumerate(residuals)}})
+    _check_tensors("linear", residuals, x=x, weight=weight, bias=bias)
     return _matmul(x, weight.t(), bias, residuals, activation, low, high, handle, key)
 
 
@@ -1373,7 +1381,7 @@ def conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
                 return y
     if activation not in ACTIVATIONS:
         raise InvalidInputError(f"unknown activation {activation!r} (known: {', '.join(ACTIVATIONS)})")
-    _check_tensors("conv", {"bias": bias, **{f"residuals[{i}]": r for i, r in enumerate(residuals)}})
+    _check_tensors("conv", residuals, bias=bias)
     rank = x.dim() - 2 if isinstance(x, torch.Tensor) else 0
     _check_conv_ranks(x, weight, rank)
     low, high = NO_CLAMP if clamp is None else (float(clamp[0]), float(clamp[1]))
@@ -1407,8 +1415,9 @@ def _groups(value) -> int:
 
 
 def _check_conv_ranks(x, weight, rank: int) -> None:
-    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):  # inline: a layer's every call
-        _check_tensors("conv", {"x": x, "weight": weight})
+    # tested inline (this runs on a patched layer's every call); the helper only names the operand
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        _check_tensors("conv", x=x, weight=weight)
     if rank not in (1, 2, 3) or weight.dim() != rank + 2:
         raise InvalidInputError(f"conv takes x [N, C, spatial...] with 1-3 spatial dims and weight [K, C/G, "
                                 f"filter...] of the same rank; got {list(x.shape)} and {list(weight.shape)}")
@@ -1420,7 +1429,7 @@ def _conv(x, weight, bias, stride, dilation, lo, hi, groups: int, handle: int, g
     if _grad_enabled() and _needs_grad(x, weight, bias, *residuals):
         if _any_autocast():
             x, weight, bias, *residuals = _autocast((x, weight, bias, *residuals))
-        if _compiling():  # traced: the autograd Function reads and writes no per-call state (it sees geo None)
+        if _compiling():  # traced: the recorded call reads and writes no per-call state (it sees geo None)
             geo = None
         elif geo is None:  # the eager calls' launches are remembered under their _Geometry
             geo = _geometry(stride, dilation, lo, hi, groups)
@@ -1693,7 +1702,7 @@ def _linear_kernels(handle: int, module: nn.Linear, x: torch.Tensor, training: b
     n, k = module.weight.shape
     a_letters = _letters(x.reshape(-1, k))
     kernels = {"fwd": _gemm_kernel(handle, (rows, k), (k, n), dtype, a_letters, "c", module.bias is not None)}
-    if training:  # grad x = g @ W (W row-major), grad W = g^T @ x: what _GemmFunction.backward runs
+    if training:  # grad x = g @ W (W row-major), grad W = g^T @ x: what _gemm_backward runs
         kernels["bwd_data"] = _gemm_kernel(handle, (rows, n), (n, k), dtype, "r", "r", False)
         kernels["bwd_weight"] = _gemm_kernel(handle, (n, rows), (rows, k), dtype, "c", "r", False)
     return kernels

@@ -748,23 +748,28 @@ def test_training_calls_launch_every_direction_through_remembered_calls(reg, mon
         ga.sum().backward()
 
 
-def test_linear_training_steps_stay_exact_through_remembered_calls(reg, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_linear_training_steps_stay_exact_through_remembered_calls(reg, monkeypatch, dtype):
     """A Linear's training step (forward with grad; grad input and grad weight, two GEMMs, in the backward pass)
-    launches every GEMM through a call remembered on the first step, on each step's new tensors."""
+    launches every GEMM through a call remembered on the first step, on each step's new tensors. In fp16 the
+    bundle has rcr kernels only: the gradient GEMMs (rrr, crr) copy an operand first, and their launches on the
+    copies are remembered too."""
     h = tdt.register(reg)
     reg.clear_caches()
     served = _count_remembered_launches(monkeypatch)
+    fp32 = dtype == torch.float32  # the fp16 set fuses no bias: its forward would add one by beta * C
     for step in range(3):
-        x, w, b = leaf(rand(6, 16, seed=80 + step)), leaf(rand(8, 16, seed=83 + step)), leaf(rand(8, seed=86 + step))
-        y = tdt.linear(x, w, b, registry=h, activation="relu")
+        x, w, b = (leaf(rand(*shape, seed=seed + step, dtype=dtype)) for shape, seed in (((6, 16), 80),
+                                                                                         ((8, 16), 83), ((8,), 86)))
+        y = tdt.linear(x, w, b if fp32 else None, registry=h, activation="relu" if fp32 else "identity")
         xr, wr, br = leaf(x.double()), leaf(w.double()), leaf(b.double())
-        ref = F.linear(xr, wr, br).relu()
-        assert rel_err(y, ref) < TOL[torch.float32]
-        g = rand(6, 8, seed=89 + step)
+        ref = F.linear(xr, wr, br).relu() if fp32 else F.linear(xr, wr)
+        assert rel_err(y, ref) < TOL[dtype]
+        g = rand(6, 8, seed=89 + step, dtype=dtype)
         y.backward(g)
         ref.backward(g.double())
-        for mine, theirs in ((x, xr), (w, wr), (b, br)):
-            assert rel_err(mine.grad, theirs.grad) < GRAD_TOL[torch.float32], step
+        for mine, theirs in ((x, xr), (w, wr), (b, br))[:3 if fp32 else 2]:
+            assert rel_err(mine.grad, theirs.grad) < GRAD_TOL[dtype], step
     assert len(served) == 2 * 3  # steps 1 and 2: the forward GEMM and both gradient GEMMs
 
 
