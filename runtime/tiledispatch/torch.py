@@ -646,7 +646,8 @@ def _conv_bwd_data_run(dy, w, in_size, geo: _Geometry, handle: int):
     dy, w = _channels_last(dy), _channels_last(w)
     dx = _new_channels_last((dy.shape[0], w.shape[1] * geo.groups, *in_size), dy)
     if geo.strided and (_STRIDED_BWD_DATA == "phases" or _STRIDED_BWD_DATA == "auto" and w.shape[1] > 1) \
-            and _bwd_data_by_phase(reg, dy, w, dx, geo):
+            and _bwd_data_by_phase(handle, dy, w, dx, geo):
+        _DIRECT.launch = None  # the phases' launches are remembered each on its own; dx is not one launch's output
         return dx
     conv_op.run(reg, "bwd_data", dx, w, dy, dx, geo.options[0.0], geo.keys[0.0])
     if dy is given_dy and w is given_w:
@@ -728,10 +729,11 @@ def _phases(geo: _Geometry, dy_size: tuple, w_size: tuple, in_size: tuple) -> tu
     return tuple(phases)
 
 
-def _bwd_data_by_phase(reg, dy, w, dx, geo: _Geometry) -> bool:
+def _bwd_data_by_phase(handle: int, dy, w, dx, geo: _Geometry) -> bool:
     """dx of a strided convolution as one unit-stride bwd_data per stride phase (_phases, made once per problem),
-    each computed into a channels-last buffer and copied into its strided view of dx. False, with dx unspecified,
-    where a sub-problem has no kernel (the caller then runs the strided problem whole)."""
+    each computed into a channels-last buffer, by a launch remembered like the direct ones (_remembered), and
+    copied into its strided view of dx. False, with dx unspecified, where a sub-problem has no kernel (the caller
+    then runs the strided problem whole)."""
     if dx.numel() == 0:
         return True
     key = (dy.shape, w.shape, dx.shape)
@@ -747,11 +749,10 @@ def _bwd_data_by_phase(reg, dy, w, dx, geo: _Geometry) -> bool:
         if not phase.whole:
             dx[phase.view].zero_()
         target = dx[phase.target]
-        buffer = _new_channels_last(tuple(target.shape), dy)
-        sub = phase.geo
+        taps, rows, size = _channels_last(w[phase.taps]), _channels_last(dy[phase.dy_rows]), target.shape[2:]
         try:
-            conv_op.run(reg, "bwd_data", buffer, _channels_last(w[phase.taps]), _channels_last(dy[phase.dy_rows]),
-                        buffer, sub.options[0.0], sub.keys[0.0])
+            buffer = _remembered(handle, rows, taps, None, (), ("bwd_data", phase.geo, size), _conv_bwd_data_run,
+                                 rows, taps, size, phase.geo, handle)
         except UnsupportedProblemError:
             return False
         target.copy_(buffer)
