@@ -25,8 +25,8 @@
 //
 // record(forward, backward, backward_once, spec, name, *inputs) -> output: a differentiable call whose forward and
 // backward passes are Python functions, recorded in the autograd graph by a C++ node. torch.autograd.Function does
-// the same with a Python context object and node, which cost more host time than a remembered launch (a trivial
-// Function's forward and backward: 2-3x a C++ operator's). With grad mode off (a C++ guard), it calls
+// the same with a Python context object and node, which cost more host time than the remembered launches they wrap
+// (README, "How a gradient call is recorded"). With grad mode off (a C++ guard), it calls
 // forward(spec, *inputs) -> (output, saved): a new tensor, and the tensors (or None) the backward pass needs, the
 // output among them by identity. A node named `name` then takes the inputs' gradient edges; its backward pass calls
 // backward((saved, spec, needs), grad) -> one gradient (or None) per input, needs saying which inputs want one,
@@ -312,8 +312,7 @@ struct PyRef {
 struct PythonBackward : Node {
   PyRef backward, backward_once, spec;
   std::string label;
-  std::vector<SavedVariable> saved;
-  std::vector<bool> saved_none;
+  std::vector<SavedVariable> saved;  // a default-constructed one (a None saved) unpacks to an undefined tensor
 
   PythonBackward(PyObject* b, PyObject* once, PyObject* s, std::string name)
       : backward(b), backward_once(once), spec(s), label(std::move(name)) {}
@@ -332,8 +331,7 @@ struct PythonBackward : Node {
     if (grads.empty() || !grads[0].defined()) return result;  // a zero gradient in: zero (undefined) ones out
     std::vector<at::Tensor> unpacked;
     unpacked.reserve(saved.size());
-    for (size_t i = 0; i < saved.size(); ++i)  // unpack() raises where a saved tensor changed in place since
-      unpacked.push_back(saved_none[i] ? at::Tensor() : saved[i].unpack());
+    for (const auto& s : saved) unpacked.push_back(s.unpack());  // raises where one changed in place since
     PyGILState_STATE gil = PyGILState_Ensure();
     PyObject* answer = call(unpacked, grads[0]);
     const bool ok = answer != nullptr && take(answer, result);
@@ -467,15 +465,12 @@ PyObject* record(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     node->saved.reserve(count);
     for (Py_ssize_t i = 0; i < count; ++i) {
       PyObject* item = PyTuple_GET_ITEM(to_save, i);
-      const bool none = item == Py_None;
-      if (!none && !THPVariable_Check(item)) {
+      if (item == Py_None) {
+        node->saved.emplace_back();
+      } else if (!THPVariable_Check(item)) {
         PyErr_Format(PyExc_TypeError, "record: saved item %zd is %R, not a tensor or None", i, item);
         Py_DECREF(made);
         return nullptr;
-      }
-      node->saved_none.push_back(none);
-      if (none) {
-        node->saved.emplace_back();
       } else if (item == output) {  // the output, detached: saved with its history it would keep the node alive
         node->saved.emplace_back(y.detach(), false);
       } else {
