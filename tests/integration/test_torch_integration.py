@@ -752,6 +752,29 @@ def test_training_calls_launch_every_direction_through_remembered_calls(reg, mon
         ga.sum().backward()
 
 
+def test_autocast_training_steps_launch_through_remembered_calls(reg, monkeypatch):
+    """Under torch.autocast the operands are cast before the call is recorded, and its forward pass runs with
+    autocast off (as torch.amp.custom_fwd(cast_inputs=...) runs one): an autocast training step's forward, bwd_data
+    and bwd_weight launch through remembered calls as a plain step's do, with outputs and gradients exact."""
+    h = tdt.register(reg)
+    reg.clear_caches()
+    served = _count_remembered_launches(monkeypatch)
+    for step in range(3):
+        x = leaf(rand(2, 8, 6, 6, seed=100 + step).contiguous(memory_format=torch.channels_last))
+        w = leaf(rand(8, 8, 3, 3, seed=103 + step).contiguous(memory_format=torch.channels_last))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = tdt.conv(x, w, registry=h, padding=1)
+        xr, wr = leaf(x.bfloat16().double()), leaf(w.bfloat16().double())  # what the kernels see
+        ref = F.conv2d(xr, wr, padding=1)
+        assert y.dtype == torch.bfloat16 and rel_err(y, ref) < TOL[torch.bfloat16]
+        g = rand(*y.shape, seed=106 + step, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
+        y.backward(g)
+        ref.backward(g.double())
+        for mine, theirs in ((x, xr), (w, wr)):
+            assert mine.grad.dtype == torch.float32 and rel_err(mine.grad, theirs.grad) < GRAD_TOL[torch.bfloat16]
+    assert len(served) == 2 * 3  # steps 1 and 2: the forward, bwd_data and bwd_weight
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_linear_training_steps_stay_exact_through_remembered_calls(reg, monkeypatch, dtype):
     """A Linear's training step (forward with grad; grad input and grad weight, two GEMMs, in the backward pass)

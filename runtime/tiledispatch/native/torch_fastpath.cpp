@@ -26,12 +26,12 @@
 // record(forward, backward, backward_once, spec, name, *inputs) -> output: a differentiable call whose forward and
 // backward passes are Python functions, recorded in the autograd graph by a C++ node. torch.autograd.Function does
 // the same with a Python context object and node, which cost more host time than the remembered launches they wrap
-// (README, "How a gradient call is recorded"). With grad mode off (a C++ guard), it calls
-// forward(spec, *inputs) -> (output, saved): a new tensor, and the tensors (or None) the backward pass needs, the
-// output among them by identity. A node named `name` then takes the inputs' gradient edges; its backward pass calls
-// backward((saved, spec, needs), grad) -> one gradient (or None) per input, needs saying which inputs want one,
-// or backward_once where grad mode is on in the backward pass (create_graph=True). Saved tensors are checked for
-// in-place changes when the backward pass reads them, as save_for_backward's are. Inputs: tensors or None.
+// (README, "How a gradient call is recorded"). With grad mode and autocast off (the caller cast the inputs), it
+// calls forward(spec, *inputs) -> (output, saved): a new tensor, and the tensors (or None) the backward pass needs,
+// the output among them by identity. A node named `name` then takes the inputs' gradient edges; its backward pass
+// calls backward((saved, spec, needs), grad) -> one gradient (or None) per input, needs saying which inputs want
+// one, or backward_once where grad mode is on in the backward pass (create_graph=True). Saved tensors are checked
+// for in-place changes when the backward pass reads them, as save_for_backward's are. Inputs: tensors or None.
 #include <Python.h>
 
 #include <memory>
@@ -432,9 +432,17 @@ PyObject* record(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   PyObject* made;
   {
     torch::autograd::AutoGradMode no_grad(false);
+    // The caller cast the inputs where autocast is on; the forward runs with it off on their device, as
+    // torch.amp.custom_fwd(cast_inputs=...) runs one, so that its launch may be a remembered call.
+    const at::Tensor* first = nullptr;
+    for (const auto& t : inputs) first = first ? first : (t.defined() ? &t : nullptr);
+    const at::DeviceType device = first ? first->device().type() : at::kCPU;
+    const bool autocast = at::autocast::is_autocast_enabled(device);
+    if (autocast) at::autocast::set_autocast_enabled(device, false);
     std::vector<PyObject*> call_args(args + 3, args + 4);  // spec, then the inputs
     call_args.insert(call_args.end(), args + kFixed, args + nargs);
     made = PyObject_Vectorcall(args[0], call_args.data(), call_args.size(), nullptr);
+    if (autocast) at::autocast::set_autocast_enabled(device, true);
   }
   if (made == nullptr) return nullptr;
   PyObject* output = nullptr;
