@@ -645,10 +645,11 @@ def _conv_bwd_data_run(dy, w, in_size, geo: _Geometry, handle: int):
     given_dy, given_w = dy, w
     dy, w = _channels_last(dy), _channels_last(w)
     dx = _new_channels_last((dy.shape[0], w.shape[1] * geo.groups, *in_size), dy)
-    if geo.strided and (_STRIDED_BWD_DATA == "phases" or _STRIDED_BWD_DATA == "auto" and w.shape[1] > 1) \
-            and _bwd_data_by_phase(handle, dy, w, dx, geo):
-        _DIRECT.launch = None  # the phases' launches are remembered each on its own; dx is not one launch's output
-        return dx
+    if geo.strided and (_STRIDED_BWD_DATA == "phases" or _STRIDED_BWD_DATA == "auto" and w.shape[1] > 1):
+        whole = _bwd_data_by_phase(handle, dy, w, dx, geo)
+        _DIRECT.launch = None  # the phases' launches are remembered each on its own: dx is no one launch's output
+        if whole:
+            return dx
     conv_op.run(reg, "bwd_data", dx, w, dy, dx, geo.options[0.0], geo.keys[0.0])
     if dy is given_dy and w is given_w:
         _mark_direct(_bwd_data_pointers)
@@ -933,12 +934,12 @@ def _product(a, b, handle: int) -> torch.Tensor:
 
 
 # A differentiable call is recorded by the native module's C++ autograd node where it can be (_record: eager, the
-# module built), else by the autograd Functions below (traced by torch.compile, or without the native module). Both
-# run the same forward and backward functions: forward(spec, *inputs) -> (output, saved tensors), backward((saved,
-# spec, needs), grad) -> one gradient per input, needs saying which inputs want one. The options travel as one
-# tuple (a `spec`): every argument of a call costs host time. A backward pass is marked once-differentiable only
-# where a second derivative could be asked for (grad mode on inside backward: create_graph=True); the marking's
-# wrapper costs host time on every call.
+# module built), else by the autograd Functions below (traced by torch.compile, under a functorch transform or the
+# JIT tracer, or without the native module). Both run the same forward and backward functions: forward(spec,
+# *inputs) -> (output, saved tensors), backward((saved, spec, needs), grad) -> one gradient per input, needs saying
+# which inputs want one. The options travel as one tuple (a `spec`): every argument of a call costs host time. A
+# backward pass is marked once-differentiable only where a second derivative could be asked for (grad mode on
+# inside backward: create_graph=True); the marking's wrapper costs host time on every call.
 def _record(function, forward, backward, backward_once, name: str, spec, *inputs) -> torch.Tensor:
     """function.apply(spec, *inputs), or the same call recorded by the C++ node, which costs less host time."""
     if _NATIVE_RECORD is _UNRESOLVED:
