@@ -1278,7 +1278,7 @@ _OWN_KEY = object()  # _matmul(key=): look the call up under its own key
 def _matmul(a, b, bias, residuals: tuple, activation: str, low: float, high: float, handle: int,
             key=_OWN_KEY) -> torch.Tensor:
     """matmul() on checked options. key: the fast path's key of the caller's call, which the caller looked up
-    already (None: the call is not to be remembered)."""
+    already, its operands checked (None: the call is not to be remembered)."""
     if key is _OWN_KEY:  # a call that records a gradient is never served by a remembered call: not looked up
         key, pointers = (None, None) if _grad_enabled() and _needs_grad(a, b, bias, *residuals) else _fast_key(
             a, b, bias, residuals, ("gemm", activation, low, high))
@@ -1286,7 +1286,7 @@ def _matmul(a, b, bias, residuals: tuple, activation: str, low: float, high: flo
             out = _fast_call(handle, a, key, pointers)
             if out is not None:
                 return out
-    _check_tensors("matmul", residuals, a=a, b=b, bias=bias)
+        _check_tensors("matmul", residuals, a=a, b=b, bias=bias)  # linear()'s callers checked theirs already
     if _any_autocast():
         a, b, bias, *residuals = _autocast((a, b, bias, *residuals))
     lead = None

@@ -704,29 +704,33 @@ def _count_remembered_launches(monkeypatch) -> list:
     return served
 
 
-@pytest.mark.parametrize("stride", [1, 2])
-def test_training_calls_launch_every_direction_through_remembered_calls(reg, monkeypatch, stride):
+@pytest.mark.parametrize("stride, autocast", [(1, None), (2, None), (1, torch.bfloat16)])
+def test_training_calls_launch_every_direction_through_remembered_calls(reg, monkeypatch, stride, autocast):
     """A training step's conv without bias (forward with grad, then bwd_data and bwd_weight in the backward pass)
     launches each direction through a call remembered on the first step, on each step's new tensors: outputs and
     gradients stay exact step after step. The strided input gradient runs by phase (a launch per phase, then a
     copy): each phase's launch is remembered, never the whole. Those entries never answer a call that records a
     gradient, and a second derivative through the backward pass is refused, as torch's once-differentiable
-    functions refuse it."""
+    functions refuse it. Under torch.autocast the operands are cast before the call is recorded and its forward
+    pass runs with autocast off (as torch.amp.custom_fwd(cast_inputs=...) runs one): the same launches are
+    remembered."""
+    dtype = autocast or torch.float32  # what the kernels see
     h = tdt.register(reg)
     reg.clear_caches()
     served = _count_remembered_launches(monkeypatch)
     for step in range(3):
         x = leaf(rand(2, 8, 6, 6, seed=60 + step).contiguous(memory_format=torch.channels_last))
         w = leaf(rand(8, 8, 3, 3, seed=63 + step).contiguous(memory_format=torch.channels_last))
-        y = tdt.conv(x, w, registry=h, padding=1, stride=stride)
-        xr, wr = leaf(x.double()), leaf(w.double())
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            y = tdt.conv(x, w, registry=h, padding=1, stride=stride)
+        xr, wr = leaf(x.to(dtype).double()), leaf(w.to(dtype).double())
         ref = F.conv2d(xr, wr, padding=1, stride=stride)
-        assert y.grad_fn is not None and rel_err(y, ref) < TOL[torch.float32]
-        g = rand(*y.shape, seed=69 + step).contiguous(memory_format=torch.channels_last)
+        assert y.grad_fn is not None and y.dtype == dtype and rel_err(y, ref) < TOL[dtype]
+        g = rand(*y.shape, seed=69 + step, dtype=dtype).contiguous(memory_format=torch.channels_last)
         y.backward(g)
         ref.backward(g.double())
         for mine, theirs in ((x, xr), (w, wr)):
-            assert rel_err(mine.grad, theirs.grad) < GRAD_TOL[torch.float32], (step, stride)
+            assert mine.grad.dtype == torch.float32 and rel_err(mine.grad, theirs.grad) < GRAD_TOL[dtype], step
         if step == 0:
             assert not served
             options = [key[1] for key, entry in zip(reg._launches._entries, reg._launches.values())
@@ -750,29 +754,6 @@ def test_training_calls_launch_every_direction_through_remembered_calls(reg, mon
     ga, = torch.autograd.grad(tdt.linear(a, wl, registry=h), a, leaf(rand(4, 8, seed=74)), create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice"):
         ga.sum().backward()
-
-
-def test_autocast_training_steps_launch_through_remembered_calls(reg, monkeypatch):
-    """Under torch.autocast the operands are cast before the call is recorded, and its forward pass runs with
-    autocast off (as torch.amp.custom_fwd(cast_inputs=...) runs one): an autocast training step's forward, bwd_data
-    and bwd_weight launch through remembered calls as a plain step's do, with outputs and gradients exact."""
-    h = tdt.register(reg)
-    reg.clear_caches()
-    served = _count_remembered_launches(monkeypatch)
-    for step in range(3):
-        x = leaf(rand(2, 8, 6, 6, seed=100 + step).contiguous(memory_format=torch.channels_last))
-        w = leaf(rand(8, 8, 3, 3, seed=103 + step).contiguous(memory_format=torch.channels_last))
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = tdt.conv(x, w, registry=h, padding=1)
-        xr, wr = leaf(x.bfloat16().double()), leaf(w.bfloat16().double())  # what the kernels see
-        ref = F.conv2d(xr, wr, padding=1)
-        assert y.dtype == torch.bfloat16 and rel_err(y, ref) < TOL[torch.bfloat16]
-        g = rand(*y.shape, seed=106 + step, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
-        y.backward(g)
-        ref.backward(g.double())
-        for mine, theirs in ((x, xr), (w, wr)):
-            assert mine.grad.dtype == torch.float32 and rel_err(mine.grad, theirs.grad) < GRAD_TOL[torch.bfloat16]
-    assert len(served) == 2 * 3  # steps 1 and 2: the forward, bwd_data and bwd_weight
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
