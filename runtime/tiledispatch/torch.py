@@ -333,18 +333,23 @@ def _empty_channels_last(shape: Sequence[int], like: torch.Tensor) -> torch.Tens
 _CL_STRIDES: dict = {}  # [N, C, spatial...] shape -> its channels-last strides
 
 
+def _channels_last_strides(shape: tuple) -> tuple:
+    """The strides of a [N, C, spatial...] tensor whose memory is [N, spatial..., C]."""
+    inner, acc = [], 1
+    for n in (shape[1], *reversed(shape[2:])):  # channels innermost, then the spatial dims, last first
+        inner.append(acc)
+        acc *= max(n, 1)  # as torch's contiguous strides: a dim of size 0 counts as 1
+    return (acc, inner[0], *reversed(inner[1:]))
+
+
 def _new_channels_last(shape: tuple, like: torch.Tensor) -> torch.Tensor:
     """_empty_channels_last's tensor (same strides) in one allocation call: an empty + movedim pair costs three
     times as much host time."""
     strides = _CL_STRIDES.get(shape)
     if strides is None:
-        inner, acc = [], 1
-        for n in (shape[1], *reversed(shape[2:])):  # channels innermost, then the spatial dims, last first
-            inner.append(acc)
-            acc *= max(n, 1)  # as torch's contiguous strides: a dim of size 0 counts as 1
         if len(_CL_STRIDES) >= _MEMO_SIZE:
             _CL_STRIDES.clear()
-        strides = _CL_STRIDES[shape] = (acc, inner[0], *reversed(inner[1:]))
+        strides = _CL_STRIDES[shape] = _channels_last_strides(shape)
     return like.new_empty_strided(shape, strides)
 
 
@@ -645,7 +650,7 @@ def _conv_bwd_data_run(dy, w, in_size, geo: _Geometry, handle: int):
     given_dy, given_w = dy, w
     dy, w = _channels_last(dy), _channels_last(w)
     dx = _new_channels_last((dy.shape[0], w.shape[1] * geo.groups, *in_size), dy)
-    if geo.strided and (_STRIDED_BWD_DATA == "phases" or _STRIDED_BWD_DATA == "auto" and w.shape[1] > 1):
+    if geo.strided and (_STRIDED_BWD_DATA in ("phases", "stacked") or _STRIDED_BWD_DATA == "auto" and w.shape[1] > 1):
         whole = _bwd_data_by_phase(handle, dy, w, dx, geo)
         _DIRECT.launch = None  # the phases' launches are remembered each on its own: dx is no one launch's output
         if whole:
@@ -656,7 +661,7 @@ def _conv_bwd_data_run(dy, w, in_size, geo: _Geometry, handle: int):
     return dx
 
 
-STRIDED_BWD_DATA_ROUTES = ("auto", "kernel", "phases")
+STRIDED_BWD_DATA_ROUTES = ("auto", "kernel", "phases", "stacked")
 _STRIDED_BWD_DATA = "auto"
 
 
@@ -687,11 +692,12 @@ class _Phase(NamedTuple):
     geo: Optional[_Geometry]  # the unit-stride sub-problem's geometry
 
 
-def _phases(geo: _Geometry, dy_size: tuple, w_size: tuple, in_size: tuple) -> tuple:
+def _phases(geo: _Geometry, dy_shape, w_shape, dx_shape) -> tuple:
     """The phases of dx (see _bwd_data_by_phase). Phase p of a dim holds the pixels p, p + s, p + 2s, ...; they
     receive only the taps r with (p + pad_lo - r * dilation) % s == 0, which are evenly spaced: the phase is the
     bwd_data of a unit-stride convolution with that sub-filter and its own dilation and padding; its rows that no
     dy row reaches are zero, and dy rows that reach none of its rows are left out."""
+    dy_size, w_size, in_size = dy_shape[2:], w_shape[2:], dx_shape[2:]
     phases = []
     lead = (slice(None), slice(None))
     for combo in itertools.product(*(range(s) for s in geo.stride)):
@@ -731,24 +737,32 @@ def _phases(geo: _Geometry, dy_size: tuple, w_size: tuple, in_size: tuple) -> tu
 
 
 def _bwd_data_by_phase(handle: int, dy, w, dx, geo: _Geometry) -> bool:
-    """dx of a strided convolution as one unit-stride bwd_data per stride phase (_phases, made once per problem),
-    each computed into a channels-last buffer, by a launch remembered like the direct ones (_remembered), and
-    copied into its strided view of dx. False, with dx unspecified, where a sub-problem has no kernel (the caller
-    then runs the strided problem whole)."""
+    """dx of a strided convolution by stride phase (_phases): all phases in one unit-stride bwd_data where they
+    stack (_Stacked; not on the "phases" route), else one per phase, each computed into a channels-last buffer, by
+    a launch remembered like the direct ones (_remembered), and copied into its strided view of dx. The plan is
+    made once per problem. False, with dx unspecified, where a sub-problem has no kernel (the caller then runs the
+    strided problem whole)."""
     if dx.numel() == 0:
         return True
-    key = (dy.shape, w.shape, dx.shape)
-    phases = geo.phase_plans.get(key)
-    if phases is None:
+    stack = _STRIDED_BWD_DATA != "phases"
+    key = (dy.shape, w.shape, dx.shape, stack)
+    plan = geo.phase_plans.get(key)
+    if plan is None:
         if len(geo.phase_plans) >= _MEMO_SIZE:
             geo.phase_plans.clear()
-        phases = geo.phase_plans[key] = _phases(geo, tuple(dy.shape[2:]), tuple(w.shape[2:]), tuple(dx.shape[2:]))
-    for phase in phases:
+        plan = (stack and _stacked(geo, dy.shape, w.shape, dx.shape)) or _phases(geo, dy.shape, w.shape, dx.shape)
+        geo.phase_plans[key] = plan
+    if type(plan) is _Stacked:
+        try:
+            _bwd_data_stacked(handle, dy, w, dx, plan)
+            return True
+        except UnsupportedProblemError:  # no kernel runs the stacked problem: one launch per phase from now on
+            plan = geo.phase_plans[key] = _phases(geo, dy.shape, w.shape, dx.shape)
+    if not all(phase.whole for phase in plan):  # some pixels no tap or dy row reaches: one fill, not one a phase
+        dx.zero_()
+    for phase in plan:
         if phase.target is None:
-            dx[phase.view].zero_()
             continue
-        if not phase.whole:
-            dx[phase.view].zero_()
         target = dx[phase.target]
         taps, rows, size = _channels_last(w[phase.taps]), _channels_last(dy[phase.dy_rows]), target.shape[2:]
         try:
@@ -758,6 +772,100 @@ def _bwd_data_by_phase(handle: int, dy, w, dx, geo: _Geometry) -> bool:
             return False
         target.copy_(buffer)
     return True
+
+
+class _Stacked(NamedTuple):
+    """A strided bwd_data's stride phases stacked in the channel axis (see _stacked): one unit-stride bwd_data
+    whose filter holds every phase's sub-filter, followed by one copy that interleaves the phases into dx."""
+    geo: _Geometry  # the unit-stride problem's geometry
+    size: tuple  # its dX's spatial size (in_size // stride)
+    taps: tuple  # per entry (stacked tap, phase) of the stacked filter, the filter tap it holds (zero: `zero`)
+    zero: int  # the index of the zero tap appended to the filter's (its tap count), or 0 where none is needed
+    weight_view: tuple  # (size, strides) of the filter's memory as [K, taps, C per group]
+    stacked_weight: tuple  # (size, strides) of the stacked filter [K, phases * C per group, stacked taps...]
+    shuffle: tuple  # (size, dx's strides, the stacked dX's strides): both as [N, (rows, stride) per dim, G, C]
+    indices: dict  # device -> taps as an index tensor there
+
+
+def _stacked(geo: _Geometry, dy_shape, w_shape, dx_shape) -> Optional[_Stacked]:
+    """All stride phases of a strided bwd_data as one unit-stride bwd_data, or None where they do not stack.
+
+    Per dim, phase p (the pixels p, p + s, ...) receives the taps r with (p + pad_lo - r * dilation) % s == 0,
+    spaced by a common sub-dilation D = dilation / gcd(s, dilation): its row i is the sum over m of
+    dy[i + q_p - m * D] * w[reach_p[m]]. With Q the largest q_p, every phase is the same unit-stride bwd_data
+    (dilation D, pad_lo Q) with its taps placed at m + (Q - q_p) / D of a filter of U taps and zeros elsewhere.
+    Stacking the phases' filters along the input channels makes that one problem whose dX holds every phase's
+    rows side by side in its channels. It applies where every phase receives a tap, the phases have equally many
+    rows (in_size % s == 0), (Q - q_p) % D == 0 and the padding is not negative. It computes U^rank taps per
+    phase where the phases compute the filter's, and launches once where they launch once per phase and copy
+    each phase's result."""
+    dims = []  # per dim: (tap placement per phase, U, D, Q, pad_hi, rows, stride)
+    for d in range(geo.rank):
+        s, dil, lo, n = geo.stride[d], geo.dilation[d], geo.pad_lo[d], dx_shape[2 + d]
+        if n % s:
+            return None
+        sub = dil // math.gcd(s, dil)
+        reaches = [[r for r in range(w_shape[2 + d]) if (p + lo - r * dil) % s == 0] for p in range(s)]
+        if not all(reaches):
+            return None
+        qs = [(p + lo - reach[0] * dil) // s for p, reach in enumerate(reaches)]
+        top = max(qs)
+        if top < 0 or any((top - q) % sub for q in qs):
+            return None
+        placed = [{m + (top - q) // sub: r for m, r in enumerate(reach)} for q, reach in zip(qs, reaches)]
+        taps = max(max(p) for p in placed) + 1
+        pad_hi = dy_shape[2 + d] - n // s - top + sub * (taps - 1)
+        if pad_hi < 0:
+            return None
+        dims.append((placed, taps, sub, top, pad_hi, n // s, s))
+    filter_size = w_shape[2:]
+    filter_taps = math.prod(filter_size)
+    entries = []  # the stacked filter's memory order: [stacked taps (C order), phases (C order)]
+    for stacked_tap in itertools.product(*(range(d[1]) for d in dims)):
+        for phase in itertools.product(*(range(d[6]) for d in dims)):
+            where = [d[0][p].get(u) for d, p, u in zip(dims, phase, stacked_tap)]
+            entries.append(filter_taps if None in where else
+                           sum(r * math.prod(filter_size[i + 1:]) for i, r in enumerate(where)))
+    n, k, per_group, groups = dx_shape[0], w_shape[0], w_shape[1], geo.groups
+    rows, strides = tuple(d[5] for d in dims), tuple(d[6] for d in dims)
+    phases = math.prod(strides)
+    stacked_shape = (k, phases * per_group, *(d[1] for d in dims))
+    # dx's memory [N, in..., G, C] is [N, (rows, stride) per dim, G, C]; the stacked dX's [N, rows..., G, strides..., C]
+    shuffle_shape = (n, *(v for pair in zip(rows, strides) for v in pair), groups, per_group)
+    stacked_dims = (n, *rows, groups, *strides, per_group)
+    stacked_strides = dict(zip(range(len(stacked_dims)), _contiguous_strides(stacked_dims)))
+    rank = geo.rank
+    order = (0, *(i for d in range(rank) for i in (1 + d, 2 + rank + d)), 1 + rank, len(stacked_dims) - 1)
+    sub_geo = _geometry((1,) * rank, tuple(d[2] for d in dims), tuple(d[3] for d in dims), tuple(d[4] for d in dims),
+                        groups)
+    return _Stacked(sub_geo, rows, tuple(entries), filter_taps if filter_taps in entries else 0,
+                    ((k, filter_taps, per_group), (filter_taps * per_group, per_group, 1)),
+                    (stacked_shape, _channels_last_strides(stacked_shape)),
+                    (shuffle_shape, _contiguous_strides(shuffle_shape), tuple(stacked_strides[i] for i in order)), {})
+
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _bwd_data_stacked(handle: int, dy, w, dx, plan: _Stacked) -> None:
+    """dx (channels-last, whole) by the stacked plan: the stacked filter gathered from w's taps (a zero tap
+    appended where some entry holds none), one remembered unit-stride bwd_data, one copy into dx's phases."""
+    index = plan.indices.get(w.device)
+    if index is None:
+        index = plan.indices[w.device] = torch.tensor(plan.taps, dtype=torch.long, device=w.device)
+    taps = w.as_strided(*plan.weight_view)
+    if plan.zero:
+        taps = F.pad(taps, (0, 0, 0, 1))
+    stacked = taps.index_select(1, index).as_strided(*plan.stacked_weight)
+    out = _remembered(handle, dy, stacked, None, (), ("bwd_data", plan.geo, plan.size), _conv_bwd_data_run, dy,
+                      stacked, plan.size, plan.geo, handle)
+    shape, dx_strides, out_strides = plan.shuffle
+    dx.as_strided(shape, dx_strides).copy_(out.as_strided(shape, out_strides))
 
 
 def _conv_bwd_data_fake(dy, w, in_size, stride, dilation, pad_lo, pad_hi, groups, registry):
@@ -775,18 +883,24 @@ def _conv_bwd_weight_run(x, dy, filter_size, geo: _Geometry, handle: int):
     given_x, given_dy = x, dy
     x, dy = _channels_last(x), _channels_last(dy)
     channels = x.shape[1] // geo.groups
-    if geo.groups == 1 and channels % _vector_channels(x):
-        wide = _channel_padding(handle, "bwd_weight", x, dy.shape[1], tuple(filter_size), geo, _PLAIN_EPILOGUE)
-        if wide:  # dW of the zero-padded X, its first C channels
-            x = _zero_padded_channels(x, wide)
-            dw = _new_channels_last((dy.shape[1], wide, *filter_size), x)
-            conv_op.run(reg, "bwd_weight", x, dw, dy, dw, geo.options[0.0], geo.keys[0.0])
-            return _channels_last(dw[:, :channels])
+    wide = _bwd_weight_padding(handle, x, dy, filter_size, geo)
+    if wide:  # dW of the zero-padded X, its first C channels
+        x = _zero_padded_channels(x, wide)
+        dw = _new_channels_last((dy.shape[1], wide, *filter_size), x)
+        conv_op.run(reg, "bwd_weight", x, dw, dy, dw, geo.options[0.0], geo.keys[0.0])
+        return _channels_last(dw[:, :channels])
     dw = _new_channels_last((dy.shape[1], channels, *filter_size), x)
     conv_op.run(reg, "bwd_weight", x, dw, dy, dw, geo.options[0.0], geo.keys[0.0])
     if x is given_x and dy is given_dy:
         _mark_direct(_bwd_weight_pointers)
     return dw
+
+
+def _bwd_weight_padding(handle: int, x, dy, filter_size, geo: _Geometry) -> int:
+    """The channel count to zero-pad a dense bwd_weight's X to, or 0 (see _channel_padding)."""
+    if geo.groups != 1 or not x.shape[1] % _vector_channels(x):
+        return 0
+    return _channel_padding(handle, "bwd_weight", x, dy.shape[1], tuple(filter_size), geo, _PLAIN_EPILOGUE)
 
 
 def _conv_bwd_weight_fake(x, dy, filter_size, stride, dilation, pad_lo, pad_hi, groups, registry):
@@ -995,7 +1109,10 @@ def _conv_forward(spec, x, w, bias, *residuals):
     if geo is None:  # traced (_conv passes None then): no per-call state is read or written inside a graph
         y = _conv_fwd(x, w, bias, stride, dilation, pad_lo, pad_hi, groups, handle, None, residuals, activation, clamp)
     else:
-        y = _remembered(handle, x, w, bias, residuals, ("conv", activation, clamp, geo), _conv_fwd, x, w, bias,
+        xr, wr = x, w  # channels zero-padded here where that runs faster, so that the launch on the copies is
+        if groups == 1 and x.shape[1] % _vector_channels(x):  # remembered (the implementation pads them otherwise)
+            xr, wr = _padded_operands(handle, x, w, geo, Epilogue(activation, bias is not None, len(residuals)))
+        y = _remembered(handle, xr, wr, bias, residuals, ("conv", activation, clamp, geo), _conv_fwd, xr, wr, bias,
                         stride, dilation, pad_lo, pad_hi, groups, handle, geo, residuals, activation, clamp)
     if activation in _NEEDS_PRE:
         return y, (x, w, bias, None, *residuals)
@@ -1038,9 +1155,13 @@ def _conv_backward(state, gy):
         dx = (_remembered(handle, gy, w, None, (), ("bwd_data", geo, args[2]), _conv_bwd_data, *args) if direct
               else _conv_bwd_data(*args))
     if needs[1]:
-        args = (x, gy, w.shape[2:], stride, dilation, pad_lo, pad_hi, groups, handle)
-        dw = (_remembered(handle, x, gy, None, (), ("bwd_weight", geo, args[2]), _conv_bwd_weight, *args) if direct
+        wide = _bwd_weight_padding(handle, x, gy, w.shape[2:], geo) if direct else 0
+        xw = _zero_padded_channels(x, wide) if wide else x  # padded here, as the forward pass pads
+        args = (xw, gy, w.shape[2:], stride, dilation, pad_lo, pad_hi, groups, handle)
+        dw = (_remembered(handle, xw, gy, None, (), ("bwd_weight", geo, args[2]), _conv_bwd_weight, *args) if direct
               else _conv_bwd_weight(*args))
+        if wide:  # dW's first C channels
+            dw = _channels_last(dw[:, :x.shape[1]])
     if needs[2]:
         db = gy.sum(dim=(0, *range(2, gy.dim())))
     return (dx, dw, db, *(gy if need else None for need in needs[3:]))

@@ -504,12 +504,20 @@ def _routed_calls(monkeypatch, reg) -> list:
     ((9, 8), (3, 3), (2, 1), (1, 2), (1, 0), (0, 1), 2), ((11, 12), (4, 3), (3, 2), (2, 1), (3, 1), (2, 2), 3),
     ((14, 14), (1, 1), (2, 2), (1, 1), (0, 0), (0, 0), 2), ((14, 13), (3, 3), (2, 2), (3, 3), (2, 2), (2, 2), 1),
     ((5, 6, 7), (3, 2, 3), (2, 2, 1), (1, 2, 1), (1, 0, 2), (0, 1, 1), 1),
-    ((6, 7, 8), (1, 3, 3), (2, 2, 2), (1, 1, 1), (0, 1, 1), (0, 1, 1), 1)])
-def test_strided_bwd_data_by_phase_matches_autograd(reg, monkeypatch, spatial, filt, stride, dil, lo, hi, groups):
+    ((6, 7, 8), (1, 3, 3), (2, 2, 2), (1, 1, 1), (0, 1, 1), (0, 1, 1), 1),
+    # phases that stack: a zero tap in some phase's filter, none, a stride of 3, groups, 1-3D
+    ((8, 8), (3, 3), (2, 2), (1, 1), (1, 1), (1, 1), 1), ((8, 6), (2, 2), (2, 2), (1, 1), (0, 0), (0, 0), 2),
+    ((12,), (4,), (2,), (1,), (1,), (1,), 3), ((9,), (3,), (3,), (1,), (1,), (1,), 1),
+    ((10, 12), (5, 5), (2, 2), (1, 1), (2, 2), (2, 2), 1), ((4, 6, 4), (3, 3, 3), (2, 2, 2), (1, 1, 1), (1, 1, 1),
+                                                            (1, 1, 1), 2)])
+@pytest.mark.parametrize("route", ["phases", "stacked"])
+def test_strided_bwd_data_by_phase_matches_autograd(reg, monkeypatch, spatial, filt, stride, dil, lo, hi, groups,
+                                                    route):
     """The "phases" route of a strided conv's input gradient (one unit-stride bwd_data per stride phase: phases no
-    tap reaches, rows no dy row reaches, dilations that skip taps, groups, 1-3D) against torch's autograd in
-    float64; the phase route is the one that ran."""
-    monkeypatch.setattr(tdt, "_STRIDED_BWD_DATA", "phases")
+    tap reaches, rows no dy row reaches, dilations that skip taps, groups, 1-3D) and the "stacked" one (every
+    phase in one unit-stride bwd_data where they stack, else the same) against torch's autograd in float64; the
+    plan that ran is the one the route asks for."""
+    monkeypatch.setattr(tdt, "_STRIDED_BWD_DATA", route)
     ran = []
     by_phase = tdt._bwd_data_by_phase
     monkeypatch.setattr(tdt, "_bwd_data_by_phase", lambda *a: ran.append(by_phase(*a)) or ran[-1])
@@ -526,6 +534,8 @@ def test_strided_bwd_data_by_phase_matches_autograd(reg, monkeypatch, spatial, f
     conv_nd = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[rank]
     conv_nd(F.pad(xx, pad), w, stride=stride, dilation=dil, groups=groups).backward(dy)
     assert ran == [True, True] and len(geo.phase_plans) == 1  # the second call ran the phases made by the first
+    stacks = all(n % s == 0 for n, s in zip(spatial, stride)) and (filt[0] > 1 or stride[0] == 1)
+    assert isinstance(*geo.phase_plans.values(), tdt._Stacked) == (route == "stacked" and stacks)
     for dx in got:
         assert rel_err(dx, xx.grad) < TOL[torch.float32]
 
@@ -592,6 +602,26 @@ def test_small_channel_convs_run_zero_padded_where_the_as_is_kernel_is_a_fallbac
     # fwd: X [N, 4, ...] and W [K, 4, ...]; bwd_data (grad X, C = 3 out) as it is; bwd_weight: X padded, dW [K, 4]
     assert ("fwd", 4, 4) in seen and ("bwd_weight", 4, 4) in seen and ("bwd_data", 3, 3) in seen
     assert not any(c == 3 for d, c, _ in seen if d != "bwd_data")
+    # a second step on new tensors: every launch, those on the padded copies included, was remembered
+    seen.clear()
+    xs, ws, bs = leaf(x + 1), leaf(w), leaf(b)
+    out = tdt.conv(xs, ws, bs, registry=reg, stride=2, padding=1, activation=activation)
+    xr, wr, br = leaf(x.double() + 1), leaf(w.double()), leaf(b.double())
+    ref = conv_nd(xr, wr, br, stride=2, padding=1)
+    ref = ref.relu() if activation == "relu" else ref
+    out.backward(g)
+    ref.backward(g.double())
+    # (this bundle fuses no conv bias: the forward adds it through beta * Y, a call never remembered)
+    assert seen == [("fwd", 4, 4)] and rel_err(out, ref) < TOL[torch.float32]
+    for mine, theirs in ((xs, xr), (ws, wr), (bs, br)):
+        assert rel_err(mine.grad, theirs.grad) < GRAD_TOL[torch.float32]
+    for step in range(2):  # without a bias, the forward's launch on the padded copies is remembered too
+        seen.clear()
+        xs = leaf(x - step)
+        out = tdt.conv(xs, ws, registry=reg, stride=2, padding=1)
+        out.backward(g)
+        assert seen == ([("fwd", 4, 4)] if step == 0 else [])
+        assert rel_err(out, conv_nd(x.double() - step, w.double(), stride=2, padding=1)) < TOL[torch.float32]
 
 
 def test_channel_padding_keeps_ordinary_kernels_and_refusals_as_they_are(reg):
@@ -704,12 +734,14 @@ def _count_remembered_launches(monkeypatch) -> list:
     return served
 
 
-@pytest.mark.parametrize("stride, autocast", [(1, None), (2, None), (1, torch.bfloat16)])
-def test_training_calls_launch_every_direction_through_remembered_calls(reg, monkeypatch, stride, autocast):
+@pytest.mark.parametrize("stride, autocast, route", [(1, None, "auto"), (2, None, "phases"), (2, None, "auto"),
+                                                     (1, torch.bfloat16, "auto")])
+def test_training_calls_launch_every_direction_through_remembered_calls(reg, monkeypatch, stride, autocast, route):
     """A training step's conv without bias (forward with grad, then bwd_data and bwd_weight in the backward pass)
     launches each direction through a call remembered on the first step, on each step's new tensors: outputs and
-    gradients stay exact step after step. The strided input gradient runs by phase (a launch per phase, then a
-    copy): each phase's launch is remembered, never the whole. Those entries never answer a call that records a
+    gradients stay exact step after step. The strided input gradient runs by phase: on the "phases" route a launch
+    per phase, then a copy, each phase's launch remembered, never the whole; by default the phases stacked in one
+    unit-stride launch, remembered, then one copy. Those entries never answer a call that records a
     gradient, and a second derivative through the backward pass is refused, as torch's once-differentiable
     functions refuse it. Under torch.autocast the operands are cast before the call is recorded and its forward
     pass runs with autocast off (as torch.amp.custom_fwd(cast_inputs=...) runs one): the same launches are
@@ -717,6 +749,8 @@ def test_training_calls_launch_every_direction_through_remembered_calls(reg, mon
     dtype = autocast or torch.float32  # what the kernels see
     h = tdt.register(reg)
     reg.clear_caches()
+    monkeypatch.setattr(tdt, "_STRIDED_BWD_DATA", route)
+    phases = 1 if stride == 1 or route == "auto" else 4  # bwd_data launches a step
     served = _count_remembered_launches(monkeypatch)
     for step in range(3):
         x = leaf(rand(2, 8, 6, 6, seed=60 + step).contiguous(memory_format=torch.channels_last))
@@ -735,10 +769,9 @@ def test_training_calls_launch_every_direction_through_remembered_calls(reg, mon
             assert not served
             options = [key[1] for key, entry in zip(reg._launches._entries, reg._launches.values())
                        if isinstance(entry, tdt._FastCall)]
-            # strided: bwd_data by its 4 stride phases, each a unit-stride launch remembered on its own
-            assert sorted(o[0] for o in options) == ["bwd_data"] * (1 if stride == 1 else 4) + ["bwd_weight", "conv"]
+            assert sorted(o[0] for o in options) == ["bwd_data"] * phases + ["bwd_weight", "conv"]
             assert not any(o[0] == "bwd_data" and o[1].strided for o in options)
-    assert len(served) == 2 * (3 if stride == 1 else 6)  # steps 1 and 2, every remembered launch
+    assert len(served) == 2 * (2 + phases)  # steps 1 and 2, every remembered launch
     layer = nn.Conv2d(8, 8, 3, padding=1, stride=stride, bias=False)
     layer.weight = nn.Parameter(w.detach())
     tdt.patch(layer, reg)
