@@ -19,7 +19,9 @@ tolerance for the dtype of eager's, or no farther than that beyond eager's own d
 deep randomly initialised model in fp16 is itself percents away from it). For inference with batch norms folded,
 folded_model_rel_err_fp64 is what the folding alone costs: the float64 model with the folded (rounded) parameters.
 The JSON records the machine, versions, the bundle, each variant's time (median of rounds of CUDA-event timing;
-eager variants include their host work), the patch report (kernels per layer; layers left on PyTorch and why),
+eager variants include their host work; speedup_vs_eager_paired: each eagerly called variant against eager in
+rounds alternating between them, the median of the per-round ratios, steadier than the ratio of two medians taken
+one after the other on a host whose speed drifts), the patch report (kernels per layer; layers left on PyTorch and why),
 the fuse report (what was fused into what, what stayed and why), a per-layer comparison of the patched layers
 against PyTorch (each captured in a CUDA graph: kernel time without host work), and the host cost per call of the
 torch operators. A PNG plots the model times (matplotlib, when installed).
@@ -200,6 +202,22 @@ class Timer:
         times = sorted(self._round(fn, iters) for _ in range(self.rounds))
         return {"median_ms": statistics.median(times), "p10_ms": times[len(times) // 10],
                 "p90_ms": times[(9 * len(times)) // 10], "iters_per_round": iters, "rounds": self.rounds}
+
+
+    def paired(self, steps: dict, rounds: int) -> dict:
+        """Each step's time against the first's, from rounds that time every step once in turn (the order rotating
+        from round to round): name -> the median over rounds of first's time / its time. A host's speed drifts
+        within a process by more than the gap between two host-bound steps; a ratio within one round sees about
+        the same host for both."""
+        names = list(steps)
+        iters = {n: max(self.min_iters, min(2000, math.ceil(self.target_ms / max(self._round(steps[n], 1), 1e-3))))
+                 for n in names}
+        times = {n: [] for n in names}
+        for r in range(rounds):
+            for n in names[r % len(names):] + names[:r % len(names)]:
+                times[n].append(self._round(steps[n], iters[n]))
+        first = times[names[0]]
+        return {n: statistics.median(f / t for f, t in zip(first, times[n])) for n in names[1:]}
 
 
 _SIDE = []
@@ -429,6 +447,14 @@ def run_case(case: str, a, reg, vision, timer: Timer) -> dict:
         peer = result["variants"].get(base_name, {}).get("median_ms") or eager
         if "median_ms" in entry and peer:
             entry["speedup_vs_eager_same_mode"] = peer / entry["median_ms"]
+    called = [v for v in models if "median_ms" in result["variants"].get(v, {})]  # eagerly called, timed above
+    if len(called) > 1 and called[0] == "eager":
+        box = []
+        steps = {v: make_step(models[v], x, gout, training, box) for v in called}
+        for name, ratio in timer.paired(steps, rounds=3 * timer.rounds).items():
+            result["variants"][name]["speedup_vs_eager_paired"] = ratio
+            print(f"  {case:26s} {name:24s} {ratio:9.3f}x eager, rounds alternating with it", flush=True)
+        box.clear()
     if "tiledispatch" in models and a.layers and time.perf_counter() - a.started < a.budget_s:
         try:
             result["layers"] = layer_gaps(models["tiledispatch"], base, x, training, device,
@@ -705,11 +731,13 @@ def main() -> None:
 
 
 def summary(results: dict) -> None:
-    print("\ncase                        variant                   ms      x eager(same mode)")
+    print("\ncase                        variant                   ms      x eager(same mode)  (paired)")
     for case, r in results["cases"].items():
         for name, e in r["variants"].items():
             if "median_ms" in e:
-                print(f"{case:27s} {name:22s} {e['median_ms']:9.3f}   {e.get('speedup_vs_eager_same_mode', 0):5.2f}"
+                ratio = f"{e.get('speedup_vs_eager_same_mode', 0):5.2f}"
+                paired = f"  ({e['speedup_vs_eager_paired']:5.2f})" if "speedup_vs_eager_paired" in e else ""
+                print(f"{case:27s} {name:22s} {e['median_ms']:9.3f}   {ratio}{paired}"
                       + ("" if e.get("out_within_tolerance", True) else
                          f"   OUTPUT ERROR {e['out_rel_err']:.2e} > {e['out_tolerance']:.0e} from eager, "
                          f"{e.get('out_rel_err_fp64', math.nan):.2e} from float64"))

@@ -1086,6 +1086,9 @@ def test_bench_models_runs_on_the_cpu(reg, tmp_path):
         assert r["fuse_report"]["patch"]["unsupported"] == 0
         assert r["patch_report"]["unsupported"] == 0 and r["unsupported_layers"] == []
         assert r["layers"] and all("tiledispatch_ms" in row and "pytorch_ms" in row for row in r["layers"])
+    for r in result["cases"].values():  # each variant also timed in rounds alternating with eager
+        assert all(r["variants"][v]["speedup_vs_eager_paired"] > 0 for v in ("tiledispatch", "fused"))
+        assert "speedup_vs_eager_paired" not in r["variants"]["eager"]
     # the training step: outputs and every gradient against eager's and against the float64 model's
     for name, v in result["cases"]["resnet50_train"]["variants"].items():
         assert v["out_within_tolerance"] and v["out_rel_err_fp64"] < 1e-5, (name, v)
