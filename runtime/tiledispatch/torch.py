@@ -668,11 +668,13 @@ _STRIDED_BWD_DATA = "auto"
 def set_strided_bwd_data(route: str) -> None:
     """How the torch operators compute the input gradient of a strided convolution: "kernel", the bundle's
     strided bwd_data kernels; "phases", one unit-stride bwd_data per stride phase (_bwd_data_by_phase), which runs
-    on the unit-stride kernels at the cost of a copy of each phase; "auto" (the default), phases where a group has
-    more than one input channel and the strided kernels where it has one (depthwise). Measured through these
-    operators on the conv suite's stride-2 layers on an H200 (bench/results/suite_h200_bwd_data_phases): phases
-    1.66x the kernels on dense layers and 1.41x on grouped ones, 0.49x on depthwise ones (their direct kernels
-    handle the stride). The environment variable TD_STRIDED_BWD_DATA sets the initial route."""
+    on the unit-stride kernels at the cost of a copy of each phase; "stacked", the phases in one unit-stride
+    bwd_data where they stack (_stacked), else by phase; "auto" (the default), stacked where a group has more
+    than one input channel and the strided kernels where it has one (depthwise). Measured through these operators
+    on the conv suite's stride-2 layers on an H200: phases 1.66x the kernels on dense layers and 1.41x on grouped
+    ones, 0.49x on depthwise ones (their direct kernels handle the stride; bench/results/suite_h200_bwd_data_phases);
+    stacked 1.42x the phases on dense layers and 1.67x on grouped ones (bench/results/stacked_phases_h200). The
+    environment variable TD_STRIDED_BWD_DATA sets the initial route."""
     global _STRIDED_BWD_DATA
     if route not in STRIDED_BWD_DATA_ROUTES:
         raise InvalidInputError(f"strided bwd_data route {route!r}: one of {', '.join(STRIDED_BWD_DATA_ROUTES)}")
