@@ -333,13 +333,19 @@ def _empty_channels_last(shape: Sequence[int], like: torch.Tensor) -> torch.Tens
 _CL_STRIDES: dict = {}  # [N, C, spatial...] shape -> its channels-last strides
 
 
+def _contiguous_strides(shape: tuple) -> tuple:
+    """The strides of a contiguous tensor of this shape (as torch's: a dim of size 0 counts as 1)."""
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
 def _channels_last_strides(shape: tuple) -> tuple:
     """The strides of a [N, C, spatial...] tensor whose memory is [N, spatial..., C]."""
-    inner, acc = [], 1
-    for n in (shape[1], *reversed(shape[2:])):  # channels innermost, then the spatial dims, last first
-        inner.append(acc)
-        acc *= max(n, 1)  # as torch's contiguous strides: a dim of size 0 counts as 1
-    return (acc, inner[0], *reversed(inner[1:]))
+    memory = _contiguous_strides((shape[0], *shape[2:], shape[1]))
+    return (memory[0], memory[-1], *memory[1:-1])
 
 
 def _new_channels_last(shape: tuple, like: torch.Tensor) -> torch.Tensor:
@@ -835,7 +841,7 @@ def _stacked(geo: _Geometry, dy_shape, w_shape, dx_shape) -> Optional[_Stacked]:
     # dx's memory [N, in..., G, C] is [N, (rows, stride) per dim, G, C]; the stacked dX's [N, rows..., G, strides..., C]
     shuffle_shape = (n, *(v for pair in zip(rows, strides) for v in pair), groups, per_group)
     stacked_dims = (n, *rows, groups, *strides, per_group)
-    stacked_strides = dict(zip(range(len(stacked_dims)), _contiguous_strides(stacked_dims)))
+    stacked_strides = _contiguous_strides(stacked_dims)
     rank = geo.rank
     order = (0, *(i for d in range(rank) for i in (1 + d, 2 + rank + d)), 1 + rank, len(stacked_dims) - 1)
     sub_geo = _geometry((1,) * rank, tuple(d[2] for d in dims), tuple(d[3] for d in dims), tuple(d[4] for d in dims),
@@ -844,14 +850,6 @@ def _stacked(geo: _Geometry, dy_shape, w_shape, dx_shape) -> Optional[_Stacked]:
                     ((k, filter_taps, per_group), (filter_taps * per_group, per_group, 1)),
                     (stacked_shape, _channels_last_strides(stacked_shape)),
                     (shuffle_shape, _contiguous_strides(shuffle_shape), tuple(stacked_strides[i] for i in order)), {})
-
-
-def _contiguous_strides(shape: tuple) -> tuple:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(strides))
 
 
 def _bwd_data_stacked(handle: int, dy, w, dx, plan: _Stacked) -> None:
