@@ -21,8 +21,8 @@ folded_model_rel_err_fp64 is what the folding alone costs: the float64 model wit
 The JSON records the machine, versions, the bundle, each variant's time (median of rounds of CUDA-event timing;
 eager variants include their host work; speedup_vs_eager_paired: each eagerly called variant against eager in
 rounds alternating between them, the median of the per-round ratios, steadier than the ratio of two medians taken
-one after the other on a host whose speed drifts), the patch report (kernels per layer; layers left on PyTorch and why),
-the fuse report (what was fused into what, what stayed and why), a per-layer comparison of the patched layers
+one after the other on a host whose speed drifts), the patch report (kernels per layer; layers left on PyTorch and
+why), the fuse report (what was fused into what, what stayed and why), a per-layer comparison of the patched layers
 against PyTorch (each captured in a CUDA graph: kernel time without host work), and the host cost per call of the
 torch operators. A PNG plots the model times (matplotlib, when installed).
 
@@ -202,7 +202,6 @@ class Timer:
         times = sorted(self._round(fn, iters) for _ in range(self.rounds))
         return {"median_ms": statistics.median(times), "p10_ms": times[len(times) // 10],
                 "p90_ms": times[(9 * len(times)) // 10], "iters_per_round": iters, "rounds": self.rounds}
-
 
     def paired(self, steps: dict, rounds: int) -> dict:
         """Each step's time against the first's, from rounds that time every step once in turn (the order rotating

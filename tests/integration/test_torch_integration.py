@@ -534,7 +534,10 @@ def test_strided_bwd_data_by_phase_matches_autograd(reg, monkeypatch, spatial, f
     conv_nd = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[rank]
     conv_nd(F.pad(xx, pad), w, stride=stride, dilation=dil, groups=groups).backward(dy)
     assert ran == [True, True] and len(geo.phase_plans) == 1  # the second call ran the phases made by the first
-    stacks = all(n % s == 0 for n, s in zip(spatial, stride)) and (filt[0] > 1 or stride[0] == 1)
+    # they stack where every dim's size is a multiple of its stride and each of its phases receives a tap (these
+    # cases meet the plan's other conditions where they meet these)
+    stacks = all(n % s == 0 and all(any((p + a - r * d) % s == 0 for r in range(f)) for p in range(s))
+                 for n, f, s, d, a in zip(spatial, filt, stride, dil, lo))
     assert isinstance(*geo.phase_plans.values(), tdt._Stacked) == (route == "stacked" and stacks)
     for dx in got:
         assert rel_err(dx, xx.grad) < TOL[torch.float32]
