@@ -24,7 +24,8 @@ Paths of each problem (those that apply):
   tdt_linear_train, tdt_conv_train   a training step's call: the operator with gradients recorded, then
                 .backward() of the output (GEMM: the forward and both gradient GEMMs; conv forward problems: the
                 forward, bwd_data and bwd_weight), on leaves of the same data; torch_linear_train /
-                torch_conv_train: the same with F.linear / F.conv1d/2d/3d
+                torch_conv_train: the same with F.linear / F.conv1d/2d/3d. A conv pair is left out, and said so
+                under the problem's paths_skipped, where the bundles have no bwd_data or bwd_weight kernel for it
   torch_*       PyTorch on the same tensors: torch.mm(out=) and F.linear; F.conv1d/2d/3d and
                 aten.convolution_backward (what autograd runs for the input / weight gradients), with
                 torch.backends.cudnn.benchmark on; torch_linear_module / torch_conv_module: the patched
@@ -259,6 +260,7 @@ def conv_paths(reg, tensors: Tensors, spec, dtype: str, opts: dict) -> tuple[dic
     plan = reg.plan(problem, kernel=conv_kernel, **opts)
     conv_nd = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[rank]
     ones = [1] * rank
+    skipped = {}  # path -> why it is not timed
     paths = {
         "raw_c_call": (raw, None),
         "default": (lambda: call(**opts), None),
@@ -276,16 +278,22 @@ def conv_paths(reg, tensors: Tensors, spec, dtype: str, opts: dict) -> tuple[dic
         paths["patched_conv"] = (lambda: layer(x_t), None)
         paths["torch_conv"] = (lambda: conv_nd(x_t, w_t, stride=stride, padding=padding, groups=g), None)
         paths["torch_conv_module"] = (lambda: torch_layer(x_t), None)
-        ours_x, ours_w, torch_x, torch_w = (t.detach().clone().requires_grad_(True) for t in (x_t, w_t) * 2)
-        paths["tdt_conv_train"] = (lambda: tdt.conv(ours_x, ours_w, registry=reg, stride=stride, padding=padding,
-                                                    groups=g).backward(dy_t), None)
-        paths["torch_conv_train"] = (lambda: conv_nd(torch_x, torch_w, stride=stride, padding=padding,
-                                                     groups=g).backward(dy_t), None)
+        missing = [d for d in ("bwd_data", "bwd_weight") if not reg.supports(td.ConvProblem(
+            d, n, g, c, k, spatial, filt, stride, 1, padding, padding, dtype, dtype, dtype))]
+        if missing:  # the training pair needs both gradient directions
+            skipped["tdt_conv_train"] = skipped["torch_conv_train"] = f"no {' or '.join(missing)} kernel for it"
+        else:
+            ours_x, ours_w, torch_x, torch_w = (t.detach().clone().requires_grad_(True) for t in (x_t, w_t) * 2)
+            paths["tdt_conv_train"] = (lambda: tdt.conv(ours_x, ours_w, registry=reg, stride=stride,
+                                                        padding=padding, groups=g).backward(dy_t), None)
+            paths["torch_conv_train"] = (lambda: conv_nd(torch_x, torch_w, stride=stride, padding=padding,
+                                                         groups=g).backward(dy_t), None)
     else:
         mask = [direction == "bwd_data", direction == "bwd_weight", False]
         paths["torch_convolution_backward"] = (lambda: torch.ops.aten.convolution_backward(
             dy_t, x_t, w_t, None, [stride] * rank, [padding] * rank, ones, False, [0] * rank, g, mask), None)
-    return paths, {"problem": str(problem), "kernel": kernel, "named_kernel": conv_kernel}
+    return paths, {"problem": str(problem), "kernel": kernel, "named_kernel": conv_kernel,
+                   **({"paths_skipped": skipped} if skipped else {})}
 
 
 # -- machine ----------------------------------------------------------------------------------------------------

@@ -1066,6 +1066,30 @@ def test_gpu_cuda_graph_captures_and_replays_a_training_step():
     assert any(geo.phase_plans for geo in tdt._GEOMETRIES.values())  # the strided conv's dX ran by phase
 
 
+@pytest.mark.parametrize("directions", ["[fwd, bwd_data, bwd_weight]", "fwd"])
+def test_bench_host_overhead_runs_on_the_cpu(tmp_path, directions):
+    """bench/benchmarks/host_overhead.py on the cpu backend for a conv forward: every path timed; with a bundle of
+    forward kernels only, the training pair (which needs bwd_data and bwd_weight) is left out and said so, and
+    the rest is still timed."""
+    import json
+
+    set_text = TORCH_SET.split("  - backend: cpu\n    op: gemm")[0].replace("[fwd, bwd_data, bwd_weight]", directions)
+    bundle = Path(build_cpu_bundle(tmp_path, "torch_test", set_text).kernels[0].path).parents[1]
+    env = {**os.environ, "PYTHONPATH": str(REPO / "runtime")}
+    cmd = [sys.executable, str(REPO / "bench" / "benchmarks" / "host_overhead.py"), str(bundle), "--arrays", "torch",
+           "--rounds", "2", "--problems", "conv2d_3x3_fwd", "--out", str(tmp_path), "--tag", "test"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    problem = json.loads((tmp_path / "host_overhead_test.json").read_text())["problems"]["conv2d_3x3_fwd"]
+    timed = set(problem["paths"])
+    assert {"raw_c_call", "default", "plan", "tdt_conv", "patched_conv", "torch_conv"} <= timed
+    if directions == "fwd":
+        assert not timed & {"tdt_conv_train", "torch_conv_train"}
+        assert problem["paths_skipped"]["tdt_conv_train"] == "no bwd_data or bwd_weight kernel for it"
+    else:
+        assert {"tdt_conv_train", "torch_conv_train"} <= timed and "paths_skipped" not in problem
+
+
 def test_bench_models_runs_on_the_cpu(reg, tmp_path):
     """bench/benchmarks/models.py end to end on the cpu backend (tiny sizes): the patched and fused models match eager
     and the JSON holds the reports, the per-layer comparison and the host overhead."""
