@@ -50,6 +50,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 # The cpu kernels' OpenMP pool, read when it starts: one thread, as torch.set_num_threads(1) and num_threads=1 give
 # the other paths; the tiledispatch.torch paths cannot pass num_threads (no effect on GPU kernels)
@@ -103,6 +104,13 @@ def conv_problems(device: str):
         for direction in ("fwd", "bwd_data", "bwd_weight"):
             out.append((f"{name}_{direction}", direction, n, c, k, g, spatial, filt, stride, padding))
     return out + extra
+
+
+def conv_problem(spec, dtype: str, direction: Optional[str] = None) -> td.ConvProblem:
+    """The ConvProblem of a conv_problems() entry, in its own direction or the one given."""
+    _, own, n, c, k, g, spatial, filt, stride, padding = spec
+    return td.ConvProblem(direction or own, n, g, c, k, spatial, filt, stride, 1, padding, padding, dtype, dtype,
+                          dtype)
 
 
 # -- tensors ----------------------------------------------------------------------------------------------------
@@ -278,8 +286,7 @@ def conv_paths(reg, tensors: Tensors, spec, dtype: str, opts: dict) -> tuple[dic
         paths["patched_conv"] = (lambda: layer(x_t), None)
         paths["torch_conv"] = (lambda: conv_nd(x_t, w_t, stride=stride, padding=padding, groups=g), None)
         paths["torch_conv_module"] = (lambda: torch_layer(x_t), None)
-        missing = [d for d in ("bwd_data", "bwd_weight") if not reg.supports(td.ConvProblem(
-            d, n, g, c, k, spatial, filt, stride, 1, padding, padding, dtype, dtype, dtype))]
+        missing = [d for d in ("bwd_data", "bwd_weight") if not reg.supports(conv_problem(spec, dtype, d))]
         if missing:  # the training pair needs both gradient directions
             skipped["tdt_conv_train"] = skipped["torch_conv_train"] = f"no {' or '.join(missing)} kernel for it"
         else:
@@ -381,18 +388,12 @@ def main() -> None:
         results[name] = {**info, "paths": measure(paths, device, a.rounds)}
         print(name, json.dumps(_summary(results[name])), flush=True)
     for spec in conv_problems(device):
-        name, direction, n, c, k, g, spatial, filt, stride, padding = spec
+        name, direction, spatial = spec[0], spec[1], spec[6]
         if not chosen(name):
             continue
-        rank = len(spatial)
-
-        def problem_of():
-            return td.ConvProblem(direction, n, g, c, k, spatial, filt, stride, 1, padding, padding, dtype, dtype,
-                                  dtype)
-
-        reg = registry_for("conv", problem_of)
+        reg = registry_for("conv", lambda: conv_problem(spec, dtype))
         if reg is None:
-            skipped[name] = f"no bundle has a {dtype} conv{rank}d {direction} kernel for it"
+            skipped[name] = f"no bundle has a {dtype} conv{len(spatial)}d {direction} kernel for it"
             continue
         paths, info = conv_paths(reg, tensors, spec, dtype, opts)
         results[name] = {**info, "paths": measure(paths, device, a.rounds)}

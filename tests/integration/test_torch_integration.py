@@ -539,6 +539,9 @@ def test_strided_bwd_data_by_phase_matches_autograd(reg, monkeypatch, spatial, f
     stacks = all(n % s == 0 and all(any((p + a - r * d) % s == 0 for r in range(f)) for p in range(s))
                  for n, f, s, d, a in zip(spatial, filt, stride, dil, lo))
     assert isinstance(*geo.phase_plans.values(), tdt._Stacked) == (route == "stacked" and stacks)
+    plan, = geo.phase_plans.values()
+    if isinstance(plan, tdt._Stacked) and filt == (3, 3) and stride == (2, 2):  # 4 phases in 2x2 taps: 16, not 9
+        assert plan.stacked_weight[0][2:] == (2, 2) and len(plan.taps) == 16 and plan.zero == 9
     for dx in got:
         assert rel_err(dx, xx.grad) < TOL[torch.float32]
 
