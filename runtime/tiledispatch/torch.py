@@ -1050,8 +1050,10 @@ def _product(a, b, handle: int) -> torch.Tensor:
 # A differentiable call is recorded by the native module's C++ autograd node where it can be (_record: eager, the
 # module built), else by the autograd Functions below (traced by torch.compile, under a functorch transform or the
 # JIT tracer, or without the native module). Both run the same forward and backward functions: forward(spec,
-# *inputs) -> (output, saved tensors), backward((saved, spec, needs), grad) -> one gradient per input, needs saying
-# which inputs want one. The options travel as one tuple (a `spec`): every argument of a call costs host time. A
+# *inputs) -> (output, saved tensors[, link]), backward((saved, spec, needs, link), grad) -> one gradient per input,
+# needs saying which inputs want one; link (None in the autograd Functions): a conv's remembered forward call, whose
+# backward plan the C++ node runs instead of the Python backward function once that function has made it
+# (_backward_plan). The options travel as one tuple (a `spec`): every argument of a call costs host time. A
 # backward pass is marked once-differentiable only where a second derivative could be asked for (grad mode on
 # inside backward: create_graph=True); the marking's wrapper costs host time on every call.
 def _record(function, forward, backward, backward_once, name: str, spec, *inputs) -> torch.Tensor:
@@ -1085,11 +1087,11 @@ class _GemmFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         backward = _gemm_backward_once if torch.is_grad_enabled() else _gemm_backward
-        return (None, *backward((ctx.saved_tensors, ctx.spec, ctx.needs_input_grad[1:]), g))
+        return (None, *backward((ctx.saved_tensors, ctx.spec, ctx.needs_input_grad[1:], None), g))
 
 
 def _gemm_backward(state, g):
-    (a, b, bias, out, *residuals), (activation, clamp, handle), needs = state
+    (a, b, bias, out, *residuals), (activation, clamp, handle), needs, _ = state
     pre = None
     if activation in _NEEDS_PRE:  # recomputed through the bundle rather than stored by the forward pass
         pre = _gemm(a, b, bias, residuals, "identity", *NO_CLAMP, handle)
@@ -1108,15 +1110,21 @@ def _conv_forward(spec, x, w, bias, *residuals):
     x, w = _channels_last(x), _channels_last(w)  # converted once, kept for the backward pass
     if geo is None:  # traced (_conv passes None then): no per-call state is read or written inside a graph
         y = _conv_fwd(x, w, bias, stride, dilation, pad_lo, pad_hi, groups, handle, None, residuals, activation, clamp)
+        link = None
     else:
         xr, wr = x, w  # channels zero-padded here where that runs faster, so that the launch on the copies is
         if groups == 1 and x.shape[1] % _vector_channels(x):  # remembered (the implementation pads them otherwise)
             xr, wr = _padded_operands(handle, x, w, geo, Epilogue(activation, bias is not None, len(residuals)))
-        y = _remembered(handle, xr, wr, bias, residuals, ("conv", activation, clamp, geo), _conv_fwd, xr, wr, bias,
-                        stride, dilation, pad_lo, pad_hi, groups, handle, geo, residuals, activation, clamp)
+        key, pointers = _fast_key(xr, wr, bias, residuals, ("conv", activation, clamp, geo))
+        y = None if key is None else _fast_call(handle, xr, key, pointers)
+        if y is None:
+            y = _run_remembering(handle, xr, key, True, len(residuals), _conv_fwd, xr, wr, bias, stride, dilation,
+                                 pad_lo, pad_hi, groups, handle, geo, residuals, activation, clamp)
+        # the remembered forward call carries the backward plan
+        link = None if key is None else _registry_for(handle, xr)._launches.get(key)
     if activation in _NEEDS_PRE:
-        return y, (x, w, bias, None, *residuals)
-    return y, (x, w, None, y if activation != "identity" else None)
+        return y, (x, w, bias, None, *residuals), link
+    return y, (x, w, None, y if activation != "identity" else None), link
 
 
 class _ConvFunction(torch.autograd.Function):
@@ -1128,7 +1136,7 @@ class _ConvFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, spec, x, w, bias, *residuals):
-        y, saved = _conv_forward(spec, x, w, bias, *residuals)
+        y, saved, _ = _conv_forward(spec, x, w, bias, *residuals)
         ctx.spec = spec
         ctx.save_for_backward(*saved)
         return y
@@ -1136,11 +1144,11 @@ class _ConvFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         backward = _conv_backward_once if torch.is_grad_enabled() else _conv_backward
-        return (None, *backward((ctx.saved_tensors, ctx.spec, ctx.needs_input_grad[1:]), gy))
+        return (None, *backward((ctx.saved_tensors, ctx.spec, ctx.needs_input_grad[1:], None), gy))
 
 
 def _conv_backward(state, gy):
-    (x, w, bias, out, *residuals), spec, needs = state
+    (x, w, bias, out, *residuals), spec, needs, link = state
     stride, dilation, pad_lo, pad_hi, groups, handle, activation, clamp, geo = spec
     if activation != "identity":
         pre = None
@@ -1164,7 +1172,33 @@ def _conv_backward(state, gy):
             dw = _channels_last(dw[:, :x.shape[1]])
     if needs[2]:
         db = gy.sum(dim=(0, *range(2, gy.dim())))
+    if link is not None and link.native_backward is None and activation == "identity" and not residuals and not (
+            needs[1] and wide):
+        link.native_backward = _backward_plan(handle, x, w, gy, geo, needs)
     return (dx, dw, db, *(gy if need else None for need in needs[3:]))
+
+
+def _backward_plan(handle: int, x, w, gy, geo: _Geometry, needs: tuple):
+    """The plan of this conv backward pass that the native node runs from then on (backward_plan in
+    native/torch_fastpath.cpp): the launches of dX and dW just remembered, under the fingerprints they were
+    remembered by. False where a wanted gradient is not one remembered native launch (the stride phases run
+    several); None (asked again next time) where these tensors were not fingerprinted natively (e.g. under the
+    profiler)."""
+    launches = _registry_for(handle, gy)._launches
+    parts = []
+    for need, a, b, options in ((needs[0], gy, w, ("bwd_data", geo, x.shape[2:])),
+                                (needs[1], x, gy, ("bwd_weight", geo, w.shape[2:]))):
+        entry, print_ = None, b""
+        if need:
+            key = _fast_key(a, b, None, (), options)[0]
+            if key is None or type(key[2]) is not bytes:
+                return None
+            entry = launches.get(key)
+            if entry is None or entry.record is None:
+                return False
+            print_ = key[2]
+        parts += [entry, print_]
+    return _NATIVE_BACKWARD_PLAN(_thread_id(), *parts, *needs)
 
 
 _conv_backward_once = torch.autograd.function.once_differentiable(_conv_backward)
@@ -1230,7 +1264,7 @@ class _FastCall:
     that shape, strides and dtype, made on the device of the call's first tensor, and the launch record of the
     Launcher's prepared td_args, valid while the plan holds those same td_args)."""
     __slots__ = ("launcher", "pointers", "shape", "strides", "dtype", "device", "align", "alpha", "beta", "grad",
-                 "prototype", "record", "args")
+                 "prototype", "record", "args", "native_backward")
 
     def __init__(self, launcher, pointers, out: torch.Tensor, grad: bool, first: torch.Tensor, residuals: int):
         self.launcher, self.pointers, self.grad = launcher, pointers, grad
@@ -1239,6 +1273,7 @@ class _FastCall:
         self.alpha, self.beta = launcher.alpha, launcher.beta  # the scalars of this call (the Launcher swaps them
         # back if a registry call with other values used it since)
         self.prototype = self.record = self.args = None
+        self.native_backward = None  # a recorded conv's forward call: its backward plan (_backward_plan)
         if callable(_NATIVE_LAUNCH) and out.device == first.device:  # resolved, and built
             self.prototype = torch.empty_strided(self.shape, self.strides, dtype=self.dtype, device="meta")
             layout = launcher.plan.launch_layout()
@@ -1286,14 +1321,15 @@ def _slot_sources(launcher, pointers, residuals: int) -> tuple:
 
 _UNRESOLVED = object()
 # the native fast path's functions (native/torch_fastpath.cpp), looked up at the first call; None without it
-_NATIVE_PRINTS = _NATIVE_LAUNCHER = _NATIVE_LAUNCH = _NATIVE_RECORD = _UNRESOLVED
+_NATIVE_PRINTS = _NATIVE_LAUNCHER = _NATIVE_LAUNCH = _NATIVE_RECORD = _NATIVE_BACKWARD_PLAN = _UNRESOLVED
 
 
 def _resolve_native() -> None:
-    global _NATIVE_PRINTS, _NATIVE_LAUNCHER, _NATIVE_LAUNCH, _NATIVE_RECORD
+    global _NATIVE_PRINTS, _NATIVE_LAUNCHER, _NATIVE_LAUNCH, _NATIVE_RECORD, _NATIVE_BACKWARD_PLAN
     module = native.torch_fastpath()
-    _NATIVE_PRINTS, _NATIVE_LAUNCHER, _NATIVE_LAUNCH, _NATIVE_RECORD = (None, None, None, None) if module is None else (
-        module.eager_prints, module.launcher, module.launch, module.record)
+    _NATIVE_PRINTS, _NATIVE_LAUNCHER, _NATIVE_LAUNCH, _NATIVE_RECORD, _NATIVE_BACKWARD_PLAN = (
+        (None,) * 5 if module is None else
+        (module.eager_prints, module.launcher, module.launch, module.record, module.backward_plan))
 
 
 def _fast_key(a, b, bias, residuals: tuple, options: tuple):

@@ -273,6 +273,29 @@ def _conv_fwd_calls(monkeypatch) -> list:
     return calls
 
 
+def test_a_bias_gradient_from_the_native_backward_plan(fused_reg, monkeypatch):
+    """A conv whose forward fuses the bias (so its launch is remembered) trains through the native node's backward
+    plan from the second step: dX and dW launched, the bias gradient summed in C++, all exact."""
+    assert td.native.torch_fastpath() is not None, "the native module was not built: see its .failed file"
+    fused_reg.clear_caches()
+    python_backward = tdt._conv_backward
+    calls = []
+    monkeypatch.setattr(tdt, "_conv_backward", lambda *a: calls.append(1) or python_backward(*a))
+    for step in range(3):
+        x, w, b, _, geo = _conv_inputs(seed=20 + step)
+        geo["stride"] = 1  # a strided input gradient runs by stride phases: no single launch to plan
+        xs, ws, bs = leaf(x), leaf(w), leaf(b)
+        out = tdt.conv(xs, ws, bs, registry=fused_reg, **geo)
+        xr, wr, br = leaf(x.double()), leaf(w.double()), leaf(b.double())
+        ref = F.conv2d(xr, wr, br, **geo)
+        g = rand(*out.shape, seed=30 + step)
+        out.backward(g)
+        ref.backward(g.double())
+        for mine, theirs in ((xs, xr), (ws, wr), (bs, br)):
+            assert rel_err(mine.grad, theirs.grad) < GRAD_TOL, step
+    assert len(calls) == 1  # the first step's, which made the plan
+
+
 @pytest.mark.parametrize("activation,residual", [("identity", False), ("relu", False), ("silu", False),
                                                  ("relu", True)])
 def test_fused_conv_kernels_run_the_whole_epilogue(fused_reg, monkeypatch, activation, residual):

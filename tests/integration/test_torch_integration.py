@@ -747,7 +747,9 @@ def test_training_calls_launch_every_direction_through_remembered_calls(reg, mon
     launches each direction through a call remembered on the first step, on each step's new tensors: outputs and
     gradients stay exact step after step. The strided input gradient runs by phase: on the "phases" route a launch
     per phase, then a copy, each phase's launch remembered, never the whole; by default the phases stacked in one
-    unit-stride launch, remembered, then one copy. Those entries never answer a call that records a
+    unit-stride launch, remembered, then one copy. Where each gradient is one remembered launch (stride 1), the
+    first backward pass also leaves a plan of them on the forward's remembered call, and the native node runs
+    it from then on without the Python backward function. Those entries never answer a call that records a
     gradient, and a second derivative through the backward pass is refused, as torch's once-differentiable
     functions refuse it. Under torch.autocast the operands are cast before the call is recorded and its forward
     pass runs with autocast off (as torch.amp.custom_fwd(cast_inputs=...) runs one): the same launches are
@@ -757,7 +759,12 @@ def test_training_calls_launch_every_direction_through_remembered_calls(reg, mon
     reg.clear_caches()
     monkeypatch.setattr(tdt, "_STRIDED_BWD_DATA", route)
     phases = 1 if stride == 1 or route == "auto" else 4  # bwd_data launches a step
+    assert td.native.torch_fastpath() is not None, "the native module was not built: see its .failed file"
+    planned = stride == 1  # the stride phases' launches are no single remembered launch
     served = _count_remembered_launches(monkeypatch)
+    backward_calls = []
+    python_backward = tdt._conv_backward
+    monkeypatch.setattr(tdt, "_conv_backward", lambda *a: backward_calls.append(1) or python_backward(*a))
     for step in range(3):
         x = leaf(rand(2, 8, 6, 6, seed=60 + step).contiguous(memory_format=torch.channels_last))
         w = leaf(rand(8, 8, 3, 3, seed=63 + step).contiguous(memory_format=torch.channels_last))
@@ -777,7 +784,11 @@ def test_training_calls_launch_every_direction_through_remembered_calls(reg, mon
                        if isinstance(entry, tdt._FastCall)]
             assert sorted(o[0] for o in options) == ["bwd_data"] * phases + ["bwd_weight", "conv"]
             assert not any(o[0] == "bwd_data" and o[1].strided for o in options)
-    assert len(served) == 2 * (2 + phases)  # steps 1 and 2, every remembered launch
+            forward = next(e for k, e in zip(reg._launches._entries, reg._launches.values()) if k[1][0] == "conv")
+            assert (type(forward.native_backward).__name__ == "PyCapsule") == planned, forward.native_backward
+    # steps 1 and 2: every remembered launch; the backward pass's by the native node where planned
+    assert len(backward_calls) == (1 if planned else 3)
+    assert len(served) == 2 * (1 if planned else 2 + phases)
     layer = nn.Conv2d(8, 8, 3, padding=1, stride=stride, bias=False)
     layer.weight = nn.Parameter(w.detach())
     tdt.patch(layer, reg)
@@ -793,6 +804,69 @@ def test_training_calls_launch_every_direction_through_remembered_calls(reg, mon
     ga, = torch.autograd.grad(tdt.linear(a, wl, registry=h), a, leaf(rand(4, 8, seed=74)), create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice"):
         ga.sum().backward()
+
+
+def test_the_native_backward_plan_runs_only_the_call_it_was_made_for(reg, monkeypatch):
+    """A conv's backward plan (run by the native node instead of the Python backward function) serves a later
+    step's node only where that node's call is the one it was made for. Each case checks the gradients against
+    float64 and which path ran: a non-channels-last output gradient (made channels-last first, as the Python
+    function makes it: planned), an input that wants no gradient (another forward call, so a plan of its own:
+    Python the first time, then planned; the bias gradient: test_torch_fusion.py), the plan's kernels launched in between through
+    the registry on other tensors with other scalars (planned: the launch checks its plan's arguments), a
+    backward pass on another thread (Python), a saved tensor changed in place (refused, as before)."""
+    import threading
+
+    assert td.native.torch_fastpath() is not None, "the native module was not built: see its .failed file"
+    h = tdt.register(reg)
+    reg.clear_caches()
+    python_backward = tdt._conv_backward
+    calls = []
+    monkeypatch.setattr(tdt, "_conv_backward", lambda *a: calls.append(1) or python_backward(*a))
+
+    def step(seed, *, layout=torch.channels_last, wrt=("x", "w"), run=lambda f: f()):
+        x = rand(2, 8, 6, 6, seed=seed).contiguous(memory_format=torch.channels_last).requires_grad_("x" in wrt)
+        w = leaf(rand(8, 8, 3, 3, seed=seed + 1).contiguous(memory_format=torch.channels_last))
+        named = {"x": x, "w": w}
+        y = tdt.conv(x, w, registry=h, padding=1)
+        refs = {n: leaf(t.double()) for n, t in named.items()}
+        ref = F.conv2d(refs["x"], refs["w"], padding=1)
+        g = rand(*y.shape, seed=seed + 2).contiguous(memory_format=layout)
+        calls.clear()
+        got = []
+        run(lambda: got.extend(torch.autograd.grad(y, [named[n] for n in wrt], g)))
+        want = torch.autograd.grad(ref, [refs[n] for n in wrt], g.double())
+        for name, mine, theirs in zip(wrt, got, want):
+            assert rel_err(mine, theirs) < GRAD_TOL[torch.float32], name
+        return len(calls)
+
+    assert step(120) == 1  # the first: the Python function, which makes the plan
+    assert step(123) == 0
+    assert step(126, layout=torch.contiguous_format) == 0
+    assert step(129, wrt=("w",)) == 1 and step(130, wrt=("w",)) == 0
+    # the plan's dX launcher run in between with another alpha: that step's node leaves it to the Python function
+    data = next(e for k, e in zip(reg._launches._entries, reg._launches.values()) if k[1][0] == "bwd_data")
+    gy = rand(2, 8, 6, 6, seed=138).contiguous(memory_format=torch.channels_last)
+    w = rand(8, 8, 3, 3, seed=139).contiguous(memory_format=torch.channels_last)
+    dx = torch.empty(2, 8, 6, 6).contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        data.launcher(data.pointers(gy.data_ptr(), w.data_ptr(), dx.data_ptr(), None, ()), 0.5, 0.0)
+    want = 0.5 * torch.nn.grad.conv2d_input(dx.shape, w.double(), gy.double(), padding=1)
+    assert rel_err(dx, want) < TOL[torch.float32]
+    assert step(140) == 1 and step(141) == 0
+
+    def on_another_thread(f):
+        worker = threading.Thread(target=f)
+        worker.start()
+        worker.join()
+
+    assert step(143, run=on_another_thread) == 1
+    x = leaf(rand(2, 8, 6, 6, seed=146).contiguous(memory_format=torch.channels_last))
+    w = leaf(rand(8, 8, 3, 3, seed=147).contiguous(memory_format=torch.channels_last))
+    y = tdt.conv(x, w, registry=h, padding=1)
+    with torch.no_grad():
+        w.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -32,8 +32,21 @@
 // calls backward((saved, spec, needs), grad) -> one gradient (or None) per input, needs saying which inputs want
 // one, or backward_once where grad mode is on in the backward pass (create_graph=True). Saved tensors are checked
 // for in-place changes when the backward pass reads them, as save_for_backward's are. Inputs: tensors or None.
+// forward may also return a third item, a link: an object passed to backward as the state's fourth item, whose
+// attribute native_backward may hold a backward plan.
+//
+// backward_plan(thread, data_call, data_print, weight_call, weight_print, needs_x, needs_w, needs_bias) -> a plan
+// of a conv's backward pass as two remembered calls (tiledispatch.torch's _FastCall; None where that gradient is
+// not wanted) and the fingerprints of (dY, W, None) and (X, dY, None) they were remembered under. A node whose
+// link carries one runs it instead of the Python backward function where the call is the one it was made for:
+// the same thread, the same gradients wanted, grad mode off, nothing that may intercept, saved (x, w, None, None),
+// and dY (made channels-last, as the Python function makes it) with x and w printing as planned. It launches dX
+// and dW as those calls' native path does (the same checks of their plan's arguments and scalars) and sums dY for
+// the bias gradient; anything else unusual, and the Python function runs (it says what is wrong). This is the
+// Python function's work, one node call without Python, on the backward pass of every conv a model trains.
 #include <Python.h>
 
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -96,12 +109,15 @@ PyObject* pair(PyObject* first, PyObject* second) {
 }
 
 // Whether nothing (a mode, the tracer, the profiler, autocast) may intercept a call on first.
-bool plain_eager(PyObject* first) {
-  if (!THPVariable_CheckExact(first)) return false;
+bool plain_eager(const at::Tensor& first) {
   return c10::impl::TorchDispatchModeTLS::stack_len() == 0 && !at::impl::torch_function_mode_enabled() &&
          !torch::jit::tracer::isTracing() &&
          !torch::profiler::impl::profilerEnabled() &&
-         !at::autocast::is_autocast_enabled(THPVariable_Unpack(first).device().type());
+         !at::autocast::is_autocast_enabled(first.device().type());
+}
+
+bool plain_eager(PyObject* first) {
+  return THPVariable_CheckExact(first) && plain_eager(THPVariable_Unpack(first));
 }
 
 PyObject* prints(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -145,20 +161,6 @@ PyObject* eager_prints(PyObject* self, PyObject* const* args, Py_ssize_t nargs) 
     Py_RETURN_NONE;
   }
   return prints(self, args, nargs);
-}
-
-// A tensor with prototype's sizes, strides and dtype on like's device; false when torch refuses.
-bool allocate(PyObject* prototype_object, PyObject* like_object, at::Tensor& made) {
-  if (!THPVariable_CheckExact(prototype_object) || !THPVariable_CheckExact(like_object)) return false;
-  try {
-    const at::Tensor& prototype = THPVariable_Unpack(prototype_object);
-    const at::Device device = THPVariable_Unpack(like_object).device();
-    made = at::empty_strided(prototype.sizes(), prototype.strides(),
-                             at::TensorOptions().dtype(prototype.scalar_type()).device(device));
-    return true;
-  } catch (...) {
-    return false;
-  }
 }
 
 // -- the remembered call's launch ------------------------------------------------------------------------------
@@ -239,6 +241,43 @@ PyObject* launcher(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return capsule;
 }
 
+constexpr int32_t kNotLaunched = -2000, kFewPointers = -2001;  // launch_into: None, and a malformed call
+
+// The remembered call's launch (see launch): TD_OK with made set, kNotLaunched (the caller's full path decides),
+// kFewPointers, kOverlap or td_run's status. caller: the given pointers (0 for None).
+int32_t launch_into(const LaunchRecord* record, const at::Tensor& prototype, const at::Device device,
+                    const uintptr_t* caller, Py_ssize_t given, void* stream, at::Tensor& made) {
+  try {
+    made = at::empty_strided(prototype.sizes(), prototype.strides(),
+                             at::TensorOptions().dtype(prototype.scalar_type()).device(device));
+  } catch (...) {
+    return kNotLaunched;
+  }
+  const auto out = reinterpret_cast<uintptr_t>(made.data_ptr());
+  if ((out & 15) != record->align) return kNotLaunched;
+  uintptr_t slot[TD_MAX_TENSORS];
+  for (long i = 0; i < record->slots; ++i) {
+    const long source = record->sources[i];
+    if (source >= given) return kFewPointers;
+    slot[i] = source == kOut ? out : source == kAbsent ? 0 : caller[source];
+  }
+  const uintptr_t w = slot[record->written];
+  const intptr_t w_lo = static_cast<intptr_t>(w) + record->written_lo;
+  const intptr_t w_hi = static_cast<intptr_t>(w) + record->written_hi;
+  for (long i = 0; i < record->reads; ++i) {
+    const ReadSpan& r = record->read[i];
+    const auto p = static_cast<intptr_t>(slot[r.slot]);
+    if (p && p + r.lo < w_hi && w_lo < p + r.hi && !(r.slot == record->exact && slot[r.slot] == w)) return kOverlap;
+  }
+  for (long i = 0; i < record->slots; ++i) record->args->tensors[i].data = reinterpret_cast<void*>(slot[i]);
+  record->args->stream = stream;
+  int32_t status;
+  Py_BEGIN_ALLOW_THREADS
+  status = record->run(record->args, record->reason, record->reason_bytes);
+  Py_END_ALLOW_THREADS
+  return status;
+}
+
 PyObject* launch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 5 || !PyTuple_Check(args[3])) {
     PyErr_SetString(PyExc_TypeError, "launch(record, prototype, like, pointers: tuple, stream)");
@@ -258,36 +297,144 @@ PyObject* launch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   void* stream = args[4] == Py_None ? record->args->stream : PyLong_AsVoidPtr(args[4]);
   if (PyErr_Occurred()) return nullptr;
+  if (!THPVariable_CheckExact(args[1]) || !THPVariable_CheckExact(args[2])) Py_RETURN_NONE;
   at::Tensor made;
-  if (!allocate(args[1], args[2], made)) Py_RETURN_NONE;
-  const auto out = reinterpret_cast<uintptr_t>(made.data_ptr());
-  if ((out & 15) != record->align) Py_RETURN_NONE;
-  uintptr_t slot[TD_MAX_TENSORS];
-  for (long i = 0; i < record->slots; ++i) {
-    const long source = record->sources[i];
-    if (source >= given) {
-      PyErr_SetString(PyExc_ValueError, "launch: the record expects more pointers");
-      return nullptr;
-    }
-    slot[i] = source == kOut ? out : source == kAbsent ? 0 : caller[source];
+  const int32_t status = launch_into(record, THPVariable_Unpack(args[1]), THPVariable_Unpack(args[2]).device(),
+                                     caller, given, stream, made);
+  if (status == kNotLaunched) Py_RETURN_NONE;
+  if (status == kFewPointers) {
+    PyErr_SetString(PyExc_ValueError, "launch: the record expects more pointers");
+    return nullptr;
   }
-  const uintptr_t w = slot[record->written];
-  const intptr_t w_lo = static_cast<intptr_t>(w) + record->written_lo;
-  const intptr_t w_hi = static_cast<intptr_t>(w) + record->written_hi;
-  for (long i = 0; i < record->reads; ++i) {
-    const ReadSpan& r = record->read[i];
-    const auto p = static_cast<intptr_t>(slot[r.slot]);
-    if (p && p + r.lo < w_hi && w_lo < p + r.hi && !(r.slot == record->exact && slot[r.slot] == w))
-      return PyLong_FromLong(kOverlap);
-  }
-  for (long i = 0; i < record->slots; ++i) record->args->tensors[i].data = reinterpret_cast<void*>(slot[i]);
-  record->args->stream = stream;
-  int32_t status;
-  Py_BEGIN_ALLOW_THREADS
-  status = record->run(record->args, record->reason, record->reason_bytes);
-  Py_END_ALLOW_THREADS
   if (status != TD_OK) return PyLong_FromLong(status);
   return THPVariable_Wrap(std::move(made));
+}
+
+// -- backward plans: a recorded conv's backward pass as remembered launches, without Python --------------------
+constexpr const char* kBackwardPlan = "tiledispatch.backward_plan";
+
+// Attribute names read from tiledispatch.torch's objects (made at import).
+PyObject* kLauncherAttr;  // _FastCall.launcher
+PyObject* kPlanAttr;      // Launcher.plan
+PyObject* kArgsAttr;      // _FastCall.args
+PyObject* kPlanArgsAttr;  // Plan._args
+PyObject* kAlphaAttr;     // _FastCall.alpha and Launcher.alpha
+PyObject* kBetaAttr;      // _FastCall.beta and Launcher.beta
+PyObject* kRecordAttr;    // _FastCall.record
+PyObject* kPrototypeAttr; // _FastCall.prototype
+PyObject* kStreamOfAttr;  // Plan._stream_of
+PyObject* kPtrsAttr;      // Plan._ptrs
+PyObject* kNativeBackwardAttr;  // _FastCall.native_backward: the plan a recorded call's node runs, or None / False
+
+struct PlannedLaunch {
+  PyObject* call = nullptr;  // a remembered call (tiledispatch.torch._FastCall), owned; nullptr: not wanted
+  std::string print;         // the fingerprint (prints) of its two operands and None, under which it was remembered
+};
+
+struct BackwardPlan {
+  unsigned long thread;    // the thread its launches were remembered on (their keys hold it)
+  PlannedLaunch data;      // dX from (dY, W)
+  PlannedLaunch weight;    // dW from (X, dY)
+  bool needs[3];           // the gradients it gives (x, w, bias), as the node's should_compute_output must ask
+  ~BackwardPlan() {
+    Py_XDECREF(data.call);
+    Py_XDECREF(weight.call);
+  }
+};
+
+void free_plan(PyObject* capsule) {
+  delete static_cast<BackwardPlan*>(PyCapsule_GetPointer(capsule, kBackwardPlan));
+}
+
+// backward_plan(thread, data_call, data_print, weight_call, weight_print, needs_x, needs_w, needs_bias)
+PyObject* backward_plan(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 8 || !PyBytes_Check(args[2]) || !PyBytes_Check(args[4])) {
+    PyErr_SetString(PyExc_TypeError, "backward_plan(thread, data_call, data_print: bytes, weight_call, "
+                                     "weight_print: bytes, needs_x, needs_w, needs_bias)");
+    return nullptr;
+  }
+  auto plan = std::make_unique<BackwardPlan>();
+  plan->thread = PyLong_AsUnsignedLong(args[0]);
+  if (PyErr_Occurred()) return nullptr;
+  PlannedLaunch* launches[2] = {&plan->data, &plan->weight};
+  for (int i = 0; i < 2; ++i) {
+    PyObject* call = args[1 + 2 * i];
+    if (call != Py_None) launches[i]->call = Py_NewRef(call);
+    launches[i]->print.assign(PyBytes_AS_STRING(args[2 + 2 * i]), PyBytes_GET_SIZE(args[2 + 2 * i]));
+  }
+  for (int i = 0; i < 3; ++i) plan->needs[i] = PyObject_IsTrue(args[5 + i]) == 1;
+  if ((plan->needs[0] && !plan->data.call) || (plan->needs[1] && !plan->weight.call)) {
+    PyErr_SetString(PyExc_ValueError, "backward_plan: a wanted gradient has no remembered call");
+    return nullptr;
+  }
+  PyObject* capsule = PyCapsule_New(plan.get(), kBackwardPlan, free_plan);
+  if (capsule) plan.release();
+  return capsule;
+}
+
+// Whether prints(a, b, None) equals print (no Python objects made).
+bool printed_as(const at::Tensor& a, const at::Tensor& b, const std::string& print) {
+  int64_t buffer[3 * (8 + 2 * kMaxDims)];
+  int64_t filled = 0, used = 0;
+  uintptr_t ignored;
+  if (!read(a, buffer, used, ignored)) return false;
+  filled += used;
+  if (!read(b, buffer + filled, used, ignored)) return false;
+  filled += used;
+  buffer[filled++] = kNone;
+  return print.size() == filled * sizeof(int64_t) && std::memcmp(print.data(), buffer, print.size()) == 0;
+}
+
+// attribute `name` of object is `expected`'s attribute `name` (identity), both readable
+bool same_attribute(PyObject* object, PyObject* other, PyObject* name, PyObject* other_name) {
+  PyObject* a = PyObject_GetAttr(object, name);
+  PyObject* b = a ? PyObject_GetAttr(other, other_name) : nullptr;
+  const bool same = a && b && a == b;
+  Py_XDECREF(a);
+  Py_XDECREF(b);
+  return same;
+}
+
+// A remembered call's launch on (a, b), as _FastCall.__call__ makes it on the native path: TD_OK with made set,
+// else kNotLaunched where that call would not launch natively (its plan prepared since with other arguments or
+// scalars) or anything else is unusual; the Python path then takes over and says what is wrong. With the GIL.
+int32_t launch_planned(const PlannedLaunch& planned, const at::Tensor& like, uintptr_t a, uintptr_t b,
+                       at::Tensor& made) {
+  PyObject* call = planned.call;
+  PyObject* launcher = PyObject_GetAttr(call, kLauncherAttr);
+  PyObject* plan = launcher ? PyObject_GetAttr(launcher, kPlanAttr) : nullptr;
+  PyObject* record = plan ? PyObject_GetAttr(call, kRecordAttr) : nullptr;
+  PyObject* prototype = record ? PyObject_GetAttr(call, kPrototypeAttr) : nullptr;
+  PyObject* stream_of = prototype ? PyObject_GetAttr(plan, kStreamOfAttr) : nullptr;
+  PyObject* stream = nullptr;
+  int32_t status = kNotLaunched;
+  if (stream_of && PyCapsule_IsValid(record, kRecord) && THPVariable_CheckExact(prototype) &&
+      same_attribute(plan, call, kPlanArgsAttr, kArgsAttr) && same_attribute(launcher, call, kAlphaAttr, kAlphaAttr) &&
+      same_attribute(launcher, call, kBetaAttr, kBetaAttr)) {
+    stream = stream_of == Py_None ? Py_NewRef(Py_None) : PyObject_CallNoArgs(stream_of);
+    const auto* launch_record = static_cast<const LaunchRecord*>(PyCapsule_GetPointer(record, kRecord));
+    void* raw_stream = stream == Py_None ? launch_record->args->stream : stream ? PyLong_AsVoidPtr(stream) : nullptr;
+    if (stream && !PyErr_Occurred()) {
+      const uintptr_t caller[3] = {a, b, 0};
+      status = launch_into(launch_record, THPVariable_Unpack(prototype), like.device(), caller, 3, raw_stream, made);
+      // the slots hold this launch's pointers: the plan's next launch writes its own (as _FastCall does)
+      if (PyObject_SetAttr(plan, kPtrsAttr, Py_None) != 0) status = kNotLaunched;
+    }
+  }
+  Py_XDECREF(launcher);
+  Py_XDECREF(plan);
+  Py_XDECREF(record);
+  Py_XDECREF(prototype);
+  Py_XDECREF(stream_of);
+  Py_XDECREF(stream);
+  if (PyErr_Occurred()) PyErr_Clear();  // the Python path meets the same condition and raises it
+  return status;
+}
+
+bool channels_last(const at::Tensor& t) {  // tiledispatch.torch._is_channels_last
+  if (t.dim() == 4) return t.is_contiguous(at::MemoryFormat::ChannelsLast);
+  if (t.dim() == 5) return t.is_contiguous(at::MemoryFormat::ChannelsLast3d);
+  return t.dim() == 3 ? t.transpose(1, -1).is_contiguous() : t.movedim(1, -1).is_contiguous();
 }
 
 // -- record: a C++ autograd node around Python forward and backward functions --------------------------------
@@ -310,12 +457,12 @@ struct PyRef {
 };
 
 struct PythonBackward : Node {
-  PyRef backward, backward_once, spec;
+  PyRef backward, backward_once, spec, link;
   std::string label;
   std::vector<SavedVariable> saved;  // a default-constructed one (a None saved) unpacks to an undefined tensor
 
-  PythonBackward(PyObject* b, PyObject* once, PyObject* s, std::string name)
-      : backward(b), backward_once(once), spec(s), label(std::move(name)) {}
+  PythonBackward(PyObject* b, PyObject* once, PyObject* s, PyObject* l, std::string name)
+      : backward(b), backward_once(once), spec(s), link(l), label(std::move(name)) {}
 
   std::string name() const override { return label; }
 
@@ -333,6 +480,10 @@ struct PythonBackward : Node {
     unpacked.reserve(saved.size());
     for (const auto& s : saved) unpacked.push_back(s.unpack());  // raises where one changed in place since
     PyGILState_STATE gil = PyGILState_Ensure();
+    if (!torch::autograd::GradMode::is_enabled() && planned(unpacked, grads[0], result)) {
+      PyGILState_Release(gil);
+      return result;
+    }
     PyObject* answer = call(unpacked, grads[0]);
     const bool ok = answer != nullptr && take(answer, result);
     Py_XDECREF(answer);
@@ -349,7 +500,52 @@ struct PythonBackward : Node {
  private:
   PyObject* wrap(const at::Tensor& t) { return t.defined() ? THPVariable_Wrap(t) : Py_NewRef(Py_None); }
 
-  // backward((saved, spec, needs), grad), with the GIL
+  // The backward plan that the link carries (a conv's: saved x, w, None, None; inputs x, w, bias), run where
+  // this call is the one it was made for; false (result untouched) where the Python backward function runs
+  // instead. With the GIL.
+  bool planned(const std::vector<at::Tensor>& unpacked, const at::Tensor& grad, variable_list& result) {
+    if (link.object == Py_None || num_outputs() != 3 || unpacked.size() != 4) return false;
+    PyObject* capsule = PyObject_GetAttr(link.object, kNativeBackwardAttr);
+    bool done = false;
+    if (capsule && PyCapsule_IsValid(capsule, kBackwardPlan)) {
+      variable_list made(3);
+      try {
+        done = run(*static_cast<const BackwardPlan*>(PyCapsule_GetPointer(capsule, kBackwardPlan)), unpacked, grad,
+                   made);
+      } catch (...) {  // torch refused something (e.g. the copy): the Python path meets it and says what
+        done = false;
+      }
+      if (done) result = std::move(made);
+    }
+    Py_XDECREF(capsule);
+    if (PyErr_Occurred()) PyErr_Clear();
+    return done;
+  }
+
+  bool run(const BackwardPlan& plan, const std::vector<at::Tensor>& unpacked, const at::Tensor& grad,
+           variable_list& made) {
+    if (PyThread_get_thread_ident() != plan.thread) return false;
+    for (size_t i = 0; i < 3; ++i)
+      if (should_compute_output(i) != plan.needs[i]) return false;
+    const at::Tensor& x = unpacked[0];
+    const at::Tensor& w = unpacked[1];
+    if (!x.defined() || !w.defined() || unpacked[3].defined() || !plain_eager(grad)) return false;
+    const at::Tensor gy = channels_last(grad) ? grad : grad.movedim(1, -1).contiguous().movedim(-1, 1);
+    if ((plan.needs[0] && !printed_as(gy, w, plan.data.print)) ||
+        (plan.needs[1] && !printed_as(x, gy, plan.weight.print)))
+      return false;
+    const auto pointer = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()); };
+    if (plan.needs[0] && launch_planned(plan.data, gy, pointer(gy), pointer(w), made[0]) != TD_OK) return false;
+    if (plan.needs[1] && launch_planned(plan.weight, x, pointer(x), pointer(gy), made[1]) != TD_OK) return false;
+    if (plan.needs[2]) {  // the bias gradient: dY summed over N and the spatial dims
+      std::vector<int64_t> dims{0};
+      for (int64_t d = 2; d < gy.dim(); ++d) dims.push_back(d);
+      made[2] = gy.sum(dims);
+    }
+    return true;
+  }
+
+  // backward((saved, spec, needs, link), grad), with the GIL
   PyObject* call(const std::vector<at::Tensor>& unpacked, const at::Tensor& grad) {
     PyObject* saved_tuple = PyTuple_New(unpacked.size());
     PyObject* needs = PyTuple_New(num_outputs());
@@ -365,7 +561,7 @@ struct PythonBackward : Node {
       }
       for (size_t i = 0; i < num_outputs(); ++i)
         PyTuple_SET_ITEM(needs, i, Py_NewRef(should_compute_output(i) ? Py_True : Py_False));
-      if (filled) state = PyTuple_Pack(3, saved_tuple, spec.object, needs);
+      if (filled) state = PyTuple_Pack(4, saved_tuple, spec.object, needs, link.object);
       if (state) {
         PyObject* fn = torch::autograd::GradMode::is_enabled() ? backward_once.object : backward.object;
         answer = PyObject_CallFunctionObjArgs(fn, state, g, nullptr);
@@ -447,9 +643,10 @@ PyObject* record(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (made == nullptr) return nullptr;
   PyObject* output = nullptr;
   PyObject* to_save = nullptr;
-  if (!PyTuple_Check(made) || PyTuple_GET_SIZE(made) != 2 || !THPVariable_Check(PyTuple_GET_ITEM(made, 0)) ||
+  const Py_ssize_t returned = PyTuple_Check(made) ? PyTuple_GET_SIZE(made) : 0;
+  if ((returned != 2 && returned != 3) || !THPVariable_Check(PyTuple_GET_ITEM(made, 0)) ||
       !PyTuple_Check(PyTuple_GET_ITEM(made, 1))) {
-    PyErr_Format(PyExc_TypeError, "record: forward returned %R, expected (output tensor, saved tuple)", made);
+    PyErr_Format(PyExc_TypeError, "record: forward returned %R, expected (output tensor, saved tuple[, link])", made);
     Py_DECREF(made);
     return nullptr;
   }
@@ -466,7 +663,8 @@ PyObject* record(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     at::Tensor y = THPVariable_Unpack(output);
     if (y.is_view()) y = y.detach();  // a view made without grad would refuse in-place changes once recorded
     std::string name(PyUnicode_AsUTF8(args[4]));
-    auto node = MakeNode<NodePtr>::make<PythonBackward>(args[1], args[2], args[3], std::move(name));
+    PyObject* link = returned == 3 ? PyTuple_GET_ITEM(made, 2) : Py_None;
+    auto node = MakeNode<NodePtr>::make<PythonBackward>(args[1], args[2], args[3], link, std::move(name));
     node->set_next_edges(torch::autograd::collect_next_edges(inputs));
     torch::autograd::set_history(y, node);
     const Py_ssize_t count = PyTuple_GET_SIZE(to_save);
@@ -506,10 +704,23 @@ PyMethodDef methods[] = {
      "launch(record, prototype, like, pointers, stream) -> output, None (not launched) or a status int"},
     {"record", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(record)), METH_FASTCALL,
      "record(forward, backward, backward_once, spec, name, *inputs) -> output, recorded for autograd"},
+    {"backward_plan", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(backward_plan)), METH_FASTCALL,
+     "backward_plan(thread, data_call, data_print, weight_call, weight_print, needs_x, needs_w, needs_bias) -> plan"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "_td_torch_fastpath", nullptr, -1, methods};
 
 }  // namespace
 
-PyMODINIT_FUNC PyInit__td_torch_fastpath() { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__td_torch_fastpath() {
+  const std::pair<PyObject**, const char*> names[] = {
+      {&kLauncherAttr, "launcher"}, {&kPlanAttr, "plan"},         {&kArgsAttr, "args"},
+      {&kPlanArgsAttr, "_args"},    {&kAlphaAttr, "alpha"},       {&kBetaAttr, "beta"},
+      {&kRecordAttr, "record"},     {&kPrototypeAttr, "prototype"}, {&kStreamOfAttr, "_stream_of"},
+      {&kPtrsAttr, "_ptrs"},        {&kNativeBackwardAttr, "native_backward"}};
+  for (const auto& [slot, text] : names) {
+    *slot = PyUnicode_InternFromString(text);
+    if (*slot == nullptr) return nullptr;
+  }
+  return PyModule_Create(&module);
+}
