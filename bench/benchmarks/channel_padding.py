@@ -1,8 +1,9 @@
-"""The channel-padding route of tiledispatch.torch on the GPU: dense convs whose C is not a multiple of 8 (the
-3-channel stems of ResNet-50 and the 3D video models, wav2vec2's 1-channel front end, small odd C), fwd and
-bwd_weight, run as they are (the generic implicit GEMM) and with X / W zero-padded as the operators choose (8- or
-16-byte vectors), to 8-byte or to 16-byte vectors only (the copy included), against cuDNN (benchmark mode); CUDA
-graphs, outputs checked against float32.
+"""The few-channel routes of tiledispatch.torch on the GPU: dense convs whose C is not a multiple of 8 (the
+3-channel stems of ResNet-50, MobileNetV2, ConvNeXt and the 3D video models, wav2vec2's 1-channel front end, small
+odd C), fwd and bwd_weight, run as the operators choose ("auto": space to depth, channel padding or as they are),
+on a space-to-depth copy wherever it applies (strided layers), zero-padded as the operators choose (8- or 16-byte
+vectors), to 8-byte or to 16-byte vectors only, and as they are (the generic implicit GEMM); the copies included;
+against cuDNN (benchmark mode); CUDA graphs, outputs checked against float32.
 
     scons kernels=bench/sets/channel_padding.yaml backend=cutlass arch=sm90a bundle=channel_padding
     python3 bench/benchmarks/channel_padding.py --bundle build/channel_padding [--out DIR]  # channel_padding_<gpu>.json
@@ -32,8 +33,9 @@ LAYERS = {
     "c5_3x3": ((32, 5, 64, 64), 64, (3, 3), (1, 1), (1, 1)),
     "c12_3x3": ((32, 12, 56, 56), 64, (3, 3), (1, 1), (1, 1)),
 }
-# route: the vector widths (bytes) the channel padding may pad to; () runs every conv as it is
-ROUTES = {"padded": (8, 16), "padded_8_bytes": (8,), "padded_16_bytes": (16,), "as_is": ()}
+# route: (the vector widths in bytes the channel padding may pad to, () for none; the space-to-depth route)
+ROUTES = {"auto": ((8, 16), "auto"), "space_to_depth": ((8, 16), "on"), "padded": ((8, 16), "off"),
+          "padded_8_bytes": ((8,), "off"), "padded_16_bytes": ((16,), "off"), "as_is": ((), "off")}
 CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 GRAD_W = {1: torch.nn.grad.conv1d_weight, 2: torch.nn.grad.conv2d_weight, 3: torch.nn.grad.conv3d_weight}
 
@@ -51,10 +53,11 @@ def main() -> None:
         ref_dw = GRAD_W[rank](x.float(), w.shape, dy.float(), stride=s, padding=p)
         row = {"cudnn_fwd_ms": graph_ms(lambda: CONV[rank](x, w, stride=s, padding=p)),
                "cudnn_bwd_weight_ms": graph_ms(lambda: GRAD_W[rank](x, w.shape, dy, stride=s, padding=p))}
-        for route, vector_bytes in ROUTES.items():
+        for route, (vector_bytes, space_to_depth) in ROUTES.items():
             tdt._PAD_ROUTES.clear()
             reg.clear_caches()  # the eager fast path remembers an as-is call on the caller's tensors: forgotten
             tdt._PAD_VECTOR_BYTES = vector_bytes
+            tdt.set_space_to_depth(space_to_depth)
             try:
                 def fwd():
                     return tdt.conv(x, w, registry=reg, stride=s, padding=p)
@@ -63,12 +66,15 @@ def main() -> None:
                     return tdt._conv_bwd_weight(x, dy, f, s, (1,) * rank, p, p, 1, handle)
                 y, dw = fwd(), bwd_weight()
                 row[route] = {"channels": sorted(set(tdt._PAD_ROUTES.values())) or [0],
+                              "space_to_depth": [d for d in ("fwd", "bwd_weight")
+                                                 if any(k[1] == d and v for k, v in tdt._S2D_ROUTES.items())],
                               "fwd_ms": graph_ms(fwd), "fwd_rel_err": rel_err(y, ref),
                               "bwd_weight_ms": graph_ms(bwd_weight), "bwd_weight_rel_err": rel_err(dw, ref_dw)}
             finally:
                 tdt._PAD_VECTOR_BYTES = default_bytes
+                tdt.set_space_to_depth("auto")
             r = row[route]
-            print(f"{name:17s} {route:16s} padded to {r['channels']}: fwd {r['fwd_ms']:.4f} ms (err "
+            print(f"{name:17s} {route:16s} padded to {r['channels']}, space to depth {r['space_to_depth']}: fwd {r['fwd_ms']:.4f} ms (err "
                   f"{r['fwd_rel_err']:.1e})  bwd_weight {r['bwd_weight_ms']:.4f} ms "
                   f"(err {r['bwd_weight_rel_err']:.1e})", flush=True)
         print(f"{name:17s} cuDNN fwd {row['cudnn_fwd_ms']:.4f} ms, bwd_weight {row['cudnn_bwd_weight_ms']:.4f} ms",

@@ -481,12 +481,139 @@ def _zero_padded_channels(t: torch.Tensor, channels: int) -> torch.Tensor:
     return out
 
 
-def _padded_operands(handle: int, x: torch.Tensor, w: torch.Tensor, geo: _Geometry, epilogue: Epilogue) -> tuple:
-    """fwd's (x, w), zero-padded in their channels where _channel_padding says so."""
+def _fwd_operands(handle: int, x: torch.Tensor, w: torch.Tensor, geo: _Geometry, epilogue: Epilogue) -> tuple:
+    """fwd's channels-last (x, w, geo) as they run: a dense conv with few channels on a space-to-depth copy
+    (_space_to_depth) or zero-padded in its channels (_channel_padding) where that runs faster, else as given."""
+    x, w = _channels_last(x), _channels_last(w)
+    if geo.groups != 1 or not x.shape[1] % _vector_channels(x):
+        return x, w, geo
+    s2d = _space_to_depth(handle, "fwd", x, w.shape[0], tuple(w.shape[2:]), geo, epilogue)
+    if s2d is not None:
+        return _to_depth(x, s2d), _filter_to_depth(w, s2d), s2d.geo
     wide = _channel_padding(handle, "fwd", x, w.shape[0], tuple(w.shape[2:]), geo, epilogue)
     if not wide:
-        return x, w
-    return _zero_padded_channels(x, wide), _zero_padded_channels(w, wide)
+        return x, w, geo
+    return _zero_padded_channels(x, wide), _zero_padded_channels(w, wide), geo
+
+
+# -- space to depth ---------------------------------------------------------------------------------------------
+# A strided dense conv with few input channels (an RGB stem: 7x7 stride 2, C = 3) as a unit-stride conv on a
+# space-to-depth copy of its input: each s_1 x ... x s_d block of the zero-padded input becomes one pixel of
+# C' = prod(s) * C channels, and the filter's R taps per dim become ceil(R / s) taps of those pixels (zero where
+# s * tap + offset >= R). The sums are the same ones, so the output is exact; the problem has prod(s) times the
+# channels (aligned kernels instead of few-channel ones) and about prod(s) times fewer taps. C is first
+# zero-padded so that C' is a whole number of 16-byte vectors. bwd_weight runs on the same copy, and dW comes back by
+# the inverse mapping. Chosen where the cost model rates the selected kernel of the transformed problem cheaper than
+# that of the problem as it is (after its channel padding).
+SPACE_TO_DEPTH_ROUTES = ("auto", "on", "off")
+_SPACE_TO_DEPTH = "auto"
+_S2D_ROUTES: dict = {}  # (handle, direction, dtype, x.shape, k, filter, geometry, epilogue) -> _SpaceToDepth or None
+
+
+class _SpaceToDepth(NamedTuple):
+    """How a conv maps onto its space-to-depth problem: the block (the stride), the input channels padded to,
+    the input's padding per dim (low, high: high < 0 crops), the taps per dim and the unit-stride geometry."""
+    block: tuple
+    channels: int
+    pads: tuple
+    taps: tuple
+    geo: "_Geometry"
+
+
+def set_space_to_depth(route: str) -> None:
+    """Whether the torch operators run a strided dense conv with fewer input channels than a 16-byte vector holds
+    as a unit-stride conv on a space-to-depth copy of its input: "auto" (the default) where the cost model rates it
+    cheaper, "on" wherever it applies, "off" never. The environment variable TD_SPACE_TO_DEPTH sets the initial
+    route."""
+    global _SPACE_TO_DEPTH
+    if route not in SPACE_TO_DEPTH_ROUTES:
+        raise InvalidInputError(f"space-to-depth route {route!r}: one of {', '.join(SPACE_TO_DEPTH_ROUTES)}")
+    _SPACE_TO_DEPTH = route
+    _S2D_ROUTES.clear()
+
+
+def _space_to_depth_plan(x_shape: tuple, filter_size: tuple, geo: "_Geometry", vector: int) -> _SpaceToDepth:
+    block, c = geo.stride, x_shape[1]
+    cells = math.prod(block)
+    channels = c
+    while (cells * channels) % vector:
+        channels += 1
+    taps = tuple(-(-f // s) for f, s in zip(filter_size, block))
+    out = _out_size(x_shape[2:], filter_size, block, geo.dilation, geo.pad_lo, geo.pad_hi)
+    # the padded input holds s * (out + taps - 1) rows per dim: the rows the unit-stride problem reads
+    pads = tuple((lo, s * (o + t - 1) - size - lo) for s, o, t, size, lo in zip(block, out, taps, x_shape[2:],
+                                                                                 geo.pad_lo))
+    rank = len(block)
+    return _SpaceToDepth(block, channels, pads, taps, _geometry((1,) * rank, (1,) * rank, (0,) * rank, (0,) * rank, 1))
+
+
+def _space_to_depth(handle: int, direction: str, x: torch.Tensor, k: int, filter_size: tuple, geo: "_Geometry",
+                    epilogue: Epilogue) -> Optional[_SpaceToDepth]:
+    """The space-to-depth mapping to run this conv by (see above), or None; cached per problem."""
+    if (_SPACE_TO_DEPTH == "off" or geo.groups != 1 or not geo.strided or any(d != 1 for d in geo.dilation)
+            or x.shape[1] >= _vector_channels(x)):
+        return None
+    key = (handle, direction, x.dtype, x.shape, k, filter_size, geo.stride, geo.pad_lo, geo.pad_hi, epilogue)
+    if key in _S2D_ROUTES:
+        return _S2D_ROUTES[key]
+    plan = _space_to_depth_plan(tuple(x.shape), tuple(filter_size), geo, _vector_channels(x))
+    if _SPACE_TO_DEPTH == "auto":
+        reg = registry_of(handle)
+        dtype = _dtype_name(x, "x")
+
+        def cost(channels: int, in_size, taps, g: "_Geometry") -> Optional[float]:
+            return _selected_cost(reg, ConvProblem(direction, x.shape[0], 1, channels, k, tuple(in_size), tuple(taps),
+                                                   g.stride, g.dilation, g.pad_lo, g.pad_hi, dtype, dtype, dtype,
+                                                   epilogue=epilogue))
+        try:
+            wide = _channel_padding(handle, direction, x, k, tuple(filter_size), geo, epilogue)
+            as_is = cost(wide or x.shape[1], x.shape[2:], filter_size, geo)
+            out = _out_size(x.shape[2:], filter_size, geo.stride, geo.dilation, geo.pad_lo, geo.pad_hi)
+            in_size = [o + t - 1 for o, t in zip(out, plan.taps)]
+            mapped = cost(math.prod(plan.block) * plan.channels, in_size, plan.taps, plan.geo)
+        except InvalidInputError:  # dtypes or shapes the plain path's checks refuse, with their own message
+            mapped = None
+        if mapped is None or (as_is is not None and as_is <= mapped):
+            plan = None
+    if len(_S2D_ROUTES) >= _MEMO_SIZE:
+        _S2D_ROUTES.clear()
+    _S2D_ROUTES[key] = plan
+    return plan
+
+
+def _to_depth(x: torch.Tensor, plan: _SpaceToDepth) -> torch.Tensor:
+    """x [N, C, H...] as the channels-last [N, prod(block) * channels, H'...] input of the unit-stride problem: zero
+    padded (channels and spatial dims), then each block's pixels side by side in the channels (block offsets
+    outer, channels inner)."""
+    rank = len(plan.block)
+    pads = [v for lo_hi in reversed(plan.pads) for v in lo_hi] + [0, plan.channels - x.shape[1]]
+    xp = F.pad(x, pads)
+    n, c = xp.shape[:2]
+    blocks = [size // s for size, s in zip(xp.shape[2:], plan.block)]
+    split = xp.view(n, c, *(v for b, s in zip(blocks, plan.block) for v in (b, s)))
+    # [N, C, B1, S1, B2, S2, ...] -> [N, B1, B2, ..., S1, S2, ..., C]
+    order = (0, *range(2, 2 + 2 * rank, 2), *range(3, 3 + 2 * rank, 2), 1)
+    return split.permute(order).reshape(n, *blocks, -1).movedim(-1, 1)
+
+
+def _filter_to_depth(w: torch.Tensor, plan: _SpaceToDepth) -> torch.Tensor:
+    """w [K, C, R...] as the unit-stride problem's channels-last filter [K, prod(block) * channels, taps...]."""
+    return _to_depth(w, plan._replace(pads=tuple((0, t * s - r) for t, s, r in zip(plan.taps, plan.block,
+                                                                                   w.shape[2:]))))
+
+
+def _filter_from_depth(dw: torch.Tensor, plan: _SpaceToDepth, channels: int, filter_size: tuple) -> torch.Tensor:
+    """The inverse of _filter_to_depth: the unit-stride problem's dW as the conv's channels-last [K, C, R...]."""
+    rank = len(plan.block)
+    k = dw.shape[0]
+    split = dw.movedim(1, -1).reshape(k, *plan.taps, *plan.block, plan.channels)
+    # [K, T1, T2, ..., S1, S2, ..., C] -> [K, C, T1, S1, T2, S2, ...]
+    order = (0, 1 + 2 * rank, *(v for i in range(rank) for v in (1 + i, 1 + rank + i)))
+    full = split.permute(order).reshape(k, plan.channels, *(t * s for t, s in zip(plan.taps, plan.block)))
+    return _channels_last(full[(slice(None), slice(0, channels), *(slice(0, r) for r in filter_size))])
+
+
+set_space_to_depth(os.environ.get("TD_SPACE_TO_DEPTH", "auto"))
 
 
 def _check_conv_dtypes(*tensors) -> None:
@@ -514,9 +641,7 @@ def _conv_fwd_run(x, w, geo: _Geometry, handle: int):
     if w.dtype != x.dtype:
         _check_conv_dtypes(("x", x), ("w", w))
     reg = _registry_for(handle, x)
-    xc, wc = _channels_last(x), _channels_last(w)
-    if geo.groups == 1 and xc.shape[1] % _vector_channels(xc):
-        xc, wc = _padded_operands(handle, xc, wc, geo, _PLAIN_EPILOGUE)
+    xc, wc, geo = _fwd_operands(handle, x, w, geo, _PLAIN_EPILOGUE)
     y = _new_channels_last(geo.fwd_shape(xc, wc), xc)
     conv_op.run(reg, "fwd", xc, wc, y, y, geo.options[0.0], geo.keys[0.0])
     if xc is x and wc is w:
@@ -535,9 +660,7 @@ def _conv_fwd_epilogue_run(x, w, bias, residuals, activation: str, clamp: tuple,
             raise InvalidInputError(f"conv: {role} has dtype {t.dtype}, x has {dtype}")
     if activation not in ACTIVATIONS:
         raise InvalidInputError(f"unknown activation {activation!r} (known: {', '.join(ACTIVATIONS)})")
-    xc, wc = _channels_last(x), _channels_last(w)
-    if geo.groups == 1 and xc.shape[1] % _vector_channels(xc):
-        xc, wc = _padded_operands(handle, xc, wc, geo, Epilogue(activation, bias is not None, len(residuals)))
+    xc, wc, geo = _fwd_operands(handle, x, w, geo, Epilogue(activation, bias is not None, len(residuals)))
     in_place = xc is x and wc is w and all(_channels_last(r) is r for r in residuals)  # the caller's memory, as given
     x, w = xc, wc
     shape = geo.fwd_shape(x, w)
@@ -883,6 +1006,12 @@ def _conv_bwd_weight_run(x, dy, filter_size, geo: _Geometry, handle: int):
     given_x, given_dy = x, dy
     x, dy = _channels_last(x), _channels_last(dy)
     channels = x.shape[1] // geo.groups
+    s2d = _bwd_weight_space_to_depth(handle, x, dy, tuple(filter_size), geo)
+    if s2d is not None:  # dW of the unit-stride problem on the space-to-depth copy, mapped back
+        xd = _to_depth(x, s2d)
+        dw = _new_channels_last((dy.shape[1], xd.shape[1], *s2d.taps), xd)
+        conv_op.run(reg, "bwd_weight", xd, dw, dy, dw, s2d.geo.options[0.0], s2d.geo.keys[0.0])
+        return _filter_from_depth(dw, s2d, channels, tuple(filter_size))
     wide = _bwd_weight_padding(handle, x, dy, filter_size, geo)
     if wide:  # dW of the zero-padded X, its first C channels
         x = _zero_padded_channels(x, wide)
@@ -894,6 +1023,13 @@ def _conv_bwd_weight_run(x, dy, filter_size, geo: _Geometry, handle: int):
     if x is given_x and dy is given_dy:
         _mark_direct(_bwd_weight_pointers)
     return dw
+
+
+def _bwd_weight_space_to_depth(handle: int, x, dy, filter_size: tuple, geo: _Geometry) -> Optional[_SpaceToDepth]:
+    """The space-to-depth mapping to run a dense bwd_weight by, or None (see _space_to_depth)."""
+    if geo.groups != 1 or not x.shape[1] % _vector_channels(x):
+        return None
+    return _space_to_depth(handle, "bwd_weight", x, dy.shape[1], filter_size, geo, _PLAIN_EPILOGUE)
 
 
 def _bwd_weight_padding(handle: int, x, dy, filter_size, geo: _Geometry) -> int:
@@ -1112,14 +1248,14 @@ def _conv_forward(spec, x, w, bias, *residuals):
         y = _conv_fwd(x, w, bias, stride, dilation, pad_lo, pad_hi, groups, handle, None, residuals, activation, clamp)
         link = None
     else:
-        xr, wr = x, w  # channels zero-padded here where that runs faster, so that the launch on the copies is
-        if groups == 1 and x.shape[1] % _vector_channels(x):  # remembered (the implementation pads them otherwise)
-            xr, wr = _padded_operands(handle, x, w, geo, Epilogue(activation, bias is not None, len(residuals)))
-        key, pointers = _fast_key(xr, wr, bias, residuals, ("conv", activation, clamp, geo))
+        # a few-channel conv mapped (space to depth, channel padding) here, so that the launch on the copies is
+        # remembered (the implementation maps them otherwise)
+        xr, wr, g = _fwd_operands(handle, x, w, geo, Epilogue(activation, bias is not None, len(residuals)))
+        key, pointers = _fast_key(xr, wr, bias, residuals, ("conv", activation, clamp, g))
         y = None if key is None else _fast_call(handle, xr, key, pointers)
         if y is None:
-            y = _run_remembering(handle, xr, key, True, len(residuals), _conv_fwd, xr, wr, bias, stride, dilation,
-                                 pad_lo, pad_hi, groups, handle, geo, residuals, activation, clamp)
+            y = _run_remembering(handle, xr, key, True, len(residuals), _conv_fwd, xr, wr, bias, g.stride, g.dilation,
+                                 g.pad_lo, g.pad_hi, g.groups, handle, g, residuals, activation, clamp)
         # the remembered forward call carries the backward plan
         link = None if key is None else _registry_for(handle, xr)._launches.get(key)
     if activation in _NEEDS_PRE:
@@ -1162,18 +1298,27 @@ def _conv_backward(state, gy):
         args = (gy, w, x.shape[2:], stride, dilation, pad_lo, pad_hi, groups, handle)
         dx = (_remembered(handle, gy, w, None, (), ("bwd_data", geo, args[2]), _conv_bwd_data, *args) if direct
               else _conv_bwd_data(*args))
+    mapped = False  # dW from a mapped copy of x: no single launch on the saved tensors to plan
     if needs[1]:
-        wide = _bwd_weight_padding(handle, x, gy, w.shape[2:], geo) if direct else 0
-        xw = _zero_padded_channels(x, wide) if wide else x  # padded here, as the forward pass pads
-        args = (xw, gy, w.shape[2:], stride, dilation, pad_lo, pad_hi, groups, handle)
-        dw = (_remembered(handle, xw, gy, None, (), ("bwd_weight", geo, args[2]), _conv_bwd_weight, *args) if direct
-              else _conv_bwd_weight(*args))
-        if wide:  # dW's first C channels
-            dw = _channels_last(dw[:, :x.shape[1]])
+        # mapped here, as the forward pass maps, so that the launch on the copy is remembered
+        s2d = _bwd_weight_space_to_depth(handle, x, gy, tuple(w.shape[2:]), geo) if direct else None
+        wide = 0 if s2d is not None or not direct else _bwd_weight_padding(handle, x, gy, w.shape[2:], geo)
+        mapped = s2d is not None or wide > 0
+        if s2d is not None:
+            xd, g = _to_depth(x, s2d), s2d.geo
+            args = (xd, gy, s2d.taps, g.stride, g.dilation, g.pad_lo, g.pad_hi, 1, handle)
+            dw = _remembered(handle, xd, gy, None, (), ("bwd_weight", g, s2d.taps), _conv_bwd_weight, *args)
+            dw = _filter_from_depth(dw, s2d, x.shape[1], tuple(w.shape[2:]))
+        else:
+            xw = _zero_padded_channels(x, wide) if wide else x
+            args = (xw, gy, w.shape[2:], stride, dilation, pad_lo, pad_hi, groups, handle)
+            dw = (_remembered(handle, xw, gy, None, (), ("bwd_weight", geo, args[2]), _conv_bwd_weight, *args)
+                  if direct else _conv_bwd_weight(*args))
+            if wide:  # dW's first C channels
+                dw = _channels_last(dw[:, :x.shape[1]])
     if needs[2]:
         db = gy.sum(dim=(0, *range(2, gy.dim())))
-    if link is not None and link.native_backward is None and activation == "identity" and not residuals and not (
-            needs[1] and wide):
+    if link is not None and link.native_backward is None and activation == "identity" and not residuals and not mapped:
         link.native_backward = _backward_plan(handle, x, w, gy, geo, needs)
     return (dx, dw, db, *(gy if need else None for need in needs[3:]))
 

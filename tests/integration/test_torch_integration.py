@@ -9,6 +9,8 @@ built for the GPU holding fp16 GEMM and conv kernels (e.g. fp16_rcr_essential + 
 from __future__ import annotations
 
 import copy
+import itertools
+import math
 import os
 import subprocess
 import sys
@@ -630,6 +632,73 @@ def test_small_channel_convs_run_zero_padded_where_the_as_is_kernel_is_a_fallbac
         assert rel_err(out, conv_nd(x.double() - step, w.double(), stride=2, padding=1)) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("size, filt, stride, pad, channels, bias", [
+    ((12, 11), (7, 7), (2, 2), (3, 3), 3, False),        # an RGB stem, odd width
+    ((9, 8), (3, 3), (2, 2), (1, 1), 3, True),           # a MobileNet-like stem, with bias and relu
+    ((8, 12), (4, 4), (4, 4), (0, 0), 3, False),         # a ConvNeXt stem: 1x1 taps, pointwise
+    ((40,), (10,), (5,), (0,), 1, False),                # a raw-audio front end
+    ((4, 9, 10), (3, 7, 7), (1, 2, 2), (1, 3, 3), 3, False),  # a video stem
+])
+def test_few_channel_strided_convs_run_on_a_space_to_depth_copy(reg, monkeypatch, size, filt, stride, pad, channels,
+                                                                 bias):
+    """With the space-to-depth route on, a strided dense conv with fewer channels than a vector runs as a
+    unit-stride conv on the blocks of its padded input: the forward (eager and under no_grad) and dW on the copy,
+    dW mapped back; output and every gradient against torch's autograd in float64, and a second step's launches all
+    remembered (a bias: its forward adds it through beta * Y on this bundle, never remembered)."""
+    monkeypatch.setattr(tdt, "_SPACE_TO_DEPTH", "on")
+    tdt._S2D_ROUTES.clear()
+    reg.clear_caches()
+    from tiledispatch.ops import conv as conv_op
+
+    seen, run = [], conv_op.run  # (direction, X's channels, stride) of every conv kernel call
+
+    def run_spy(registry, direction, x, w, y, out, options, *args):
+        seen.append((direction, (x if direction != "bwd_data" else out).shape[1], tuple(options["stride"])))
+        return run(registry, direction, x, w, y, out, options, *args)
+    monkeypatch.setattr(conv_op, "run", run_spy)
+    rank = len(size)
+    conv_nd = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[rank]
+    padded = next(c for c in itertools.count(channels) if c * math.prod(stride) % 4 == 0)  # fp32: 4-channel vectors
+    mapped = padded * math.prod(stride)
+    activation = "relu" if bias else "identity"
+    for step in range(2):
+        x, w = rand(2, channels, *size, seed=150 + step), rand(6, channels, *filt, seed=152)
+        b = rand(6, seed=153) if bias else None
+        xs, ws = leaf(x), leaf(w)
+        bs = leaf(b) if bias else None
+        seen.clear()
+        out = tdt.conv(xs, ws, bs, registry=reg, stride=stride, padding=pad, activation=activation)
+        xr, wr = leaf(x.double()), leaf(w.double())
+        br = leaf(b.double()) if bias else None
+        ref = conv_nd(xr, wr, br, stride=stride, padding=pad)
+        ref = ref.relu() if bias else ref
+        assert out.shape == ref.shape and rel_err(out, ref) < TOL[torch.float32]
+        g = rand(*out.shape, seed=154)
+        out.backward(g)
+        ref.backward(g.double())
+        for mine, theirs in ((xs, xr), (ws, wr)) + (((bs, br),) if bias else ()):
+            assert mine.grad.shape == theirs.grad.shape and rel_err(mine.grad, theirs.grad) < GRAD_TOL[torch.float32]
+        unit = (1,) * rank
+        if step == 0:  # fwd and bwd_weight on the copy (C' channels, stride 1); bwd_data as usual (phases)
+            if math.prod(filt) == math.prod(stride):  # pointwise: the fused GEMM route, or the conv kernel
+                assert ("fwd", mapped, unit) in seen or not any(d == "fwd" for d, _, _ in seen)
+            else:
+                assert ("fwd", mapped, unit) in seen
+            assert ("bwd_weight", mapped, unit) in seen and any(d == "bwd_data" for d, _, _ in seen)
+            assert not any(c == channels for d, c, _ in seen if d != "bwd_data")
+        else:
+            assert seen == ([("fwd", mapped, unit)] if bias else [])
+        with torch.no_grad():
+            assert rel_err(tdt.conv(x, w, b, registry=reg, stride=stride, padding=pad, activation=activation),
+                           ref) < TOL[torch.float32]
+            # the operator itself (what a traced graph calls) maps too
+            dw = tdt._conv_bwd_weight_op(x, g, list(filt), list(stride), [1] * rank, list(pad), list(pad), 1,
+                                         tdt.register(reg))
+            w64 = leaf(w.double())
+        want, = torch.autograd.grad(conv_nd(x.double(), w64, stride=stride, padding=pad), w64, g.double())
+        assert rel_err(dw, want) < GRAD_TOL[torch.float32]
+
+
 def test_channel_padding_keeps_ordinary_kernels_and_refusals_as_they_are(reg):
     """With the real cost model (the cpu kernels' cost grows with the padded reduction) nothing is padded; a problem
     no kernel runs keeps the plain path's error."""
@@ -637,8 +706,7 @@ def test_channel_padding_keeps_ordinary_kernels_and_refusals_as_they_are(reg):
     x, w = rand(2, 3, 9, 9, seed=70), rand(5, 3, 3, 3, seed=71)
     geo = tdt._geometry((1, 1), (1, 1), (1, 1), (1, 1), 1)
     handle = tdt.register(reg)
-    assert tdt._padded_operands(handle, tdt._channels_last(x), tdt._channels_last(w), geo, tdt._PLAIN_EPILOGUE)[0] \
-        .shape[1] == 3
+    assert tdt._fwd_operands(handle, x, w, geo, tdt._PLAIN_EPILOGUE)[0].shape[1] == 3
     assert set(tdt._PAD_ROUTES.values()) == {0}
     x64 = rand(2, 3, 9, 9, dtype=torch.float64, seed=72)
     with pytest.raises(td.UnsupportedProblemError, match="no kernel"):  # the bundle has no fp64 conv
