@@ -53,8 +53,15 @@ def cost_factor(key) -> float:
     reduction padded to chunks of 8 channels: x8, after every other conv kernel of the set. 8-byte chunks (align 4)
     take twice the copies of 16-byte ones: x1.1, after the 16-byte kernel wherever both run (measured on the H200,
     bench/results/channel_padding_align4_h200: C = 12 as it is 0.029 ms, padded to 16 0.044 with the copy; the
-    ResNet-50 stem padded to 4 0.184, to 8 0.228)."""
-    return 8.0 if generic(key) else 1.1 if vector(key) == 4 else 1.0
+    ResNet-50 stem padded to 4 0.184, to 8 0.228). In bwd_weight x1.5: there the 8-byte kernel ran the ResNet-50 and
+    R3D-18 stems' dW (padded to 4 channels) 1.27x and 1.42x slower than the 16-byte kernel ran them on their
+    space-to-depth copies (0.247 against 0.194 ms, 0.659 against 0.465), where the tile model with x1.1 rated the
+    8-byte route 0.82x and 1.02x as costly (bench/results/space_to_depth_h200). The learned models' splits on log2_cost_factor place 1.1 and 1.5 alike."""
+    if generic(key):
+        return 8.0
+    if vector(key) == 4:
+        return 1.5 if key.signature.direction == "bwd_weight" else 1.1
+    return 1.0
 
 
 def runtime_split(key, output_tiles: int, k: int, units: int) -> int:
