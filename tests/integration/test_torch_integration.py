@@ -699,6 +699,32 @@ def test_few_channel_strided_convs_run_on_a_space_to_depth_copy(reg, monkeypatch
         assert rel_err(dw, want) < GRAD_TOL[torch.float32]
 
 
+def test_space_to_depth_is_chosen_where_few_taps_are_added_and_the_cost_model_rates_it_cheaper(reg, monkeypatch):
+    """The "auto" route maps a few-channel strided conv where the cost model (here: a kernel for whole 4-channel
+    vectors costs 1, any other 8, the mapped problem's sums counted) rates it cheaper and the filter gains at most
+    a third more taps: a 7x7 / 2 stem (49 -> 64 taps) maps, a 3x3 / 2 one (9 -> 16) does not, nor one the cost model
+    rates dearer; "off" maps nothing."""
+    monkeypatch.setattr(tdt, "_selected_cost", lambda registry, problem: (1.0 if problem.c % 4 == 0 else 8.0) * (
+        problem.c * math.prod(problem.filter_size)))
+    handle = tdt.register(reg)
+    x = rand(2, 3, 16, 16, seed=160)
+
+    def mapped(filt, stride, pad, route="auto"):
+        monkeypatch.setattr(tdt, "_SPACE_TO_DEPTH", route)
+        tdt._S2D_ROUTES.clear()
+        tdt._PAD_ROUTES.clear()
+        geo = tdt._geometry(stride, (1, 1), pad, pad, 1)
+        return tdt._space_to_depth(handle, "fwd", x, 8, filt, geo, tdt._PLAIN_EPILOGUE) is not None
+
+    # 7x7 / 2: 3 channels x 49 taps padded to 4 costs 196; mapped, 12 channels x 16 taps, 192
+    assert mapped((7, 7), (2, 2), (3, 3))
+    assert not mapped((3, 3), (2, 2), (1, 1))  # 9 -> 16 taps
+    assert mapped((3, 3), (2, 2), (1, 1), route="on")
+    assert not mapped((7, 7), (2, 2), (3, 3), route="off")
+    monkeypatch.setattr(tdt, "_selected_cost", lambda registry, problem: 1.0 if problem.c == 4 else 2.0)
+    assert not mapped((7, 7), (2, 2), (3, 3))  # rated dearer
+
+
 def test_channel_padding_keeps_ordinary_kernels_and_refusals_as_they_are(reg):
     """With the real cost model (the cpu kernels' cost grows with the padded reduction) nothing is padded; a problem
     no kernel runs keeps the plain path's error."""
