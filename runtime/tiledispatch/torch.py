@@ -1020,7 +1020,7 @@ def _conv_bwd_weight_run(x, dy, filter_size, geo: _Geometry, handle: int):
     given_x, given_dy = x, dy
     x, dy = _channels_last(x), _channels_last(dy)
     channels = x.shape[1] // geo.groups
-    s2d = _bwd_weight_space_to_depth(handle, x, dy, tuple(filter_size), geo)
+    s2d = _space_to_depth(handle, "bwd_weight", x, dy.shape[1], tuple(filter_size), geo, _PLAIN_EPILOGUE)
     if s2d is not None:  # dW of the unit-stride problem on the space-to-depth copy, mapped back
         xd = _to_depth(x, s2d)
         dw = _new_channels_last((dy.shape[1], xd.shape[1], *s2d.taps), xd)
@@ -1037,13 +1037,6 @@ def _conv_bwd_weight_run(x, dy, filter_size, geo: _Geometry, handle: int):
     if x is given_x and dy is given_dy:
         _mark_direct(_bwd_weight_pointers)
     return dw
-
-
-def _bwd_weight_space_to_depth(handle: int, x, dy, filter_size: tuple, geo: _Geometry) -> Optional[_SpaceToDepth]:
-    """The space-to-depth mapping to run a dense bwd_weight by, or None (see _space_to_depth)."""
-    if geo.groups != 1 or not x.shape[1] % _vector_channels(x):
-        return None
-    return _space_to_depth(handle, "bwd_weight", x, dy.shape[1], filter_size, geo, _PLAIN_EPILOGUE)
 
 
 def _bwd_weight_padding(handle: int, x, dy, filter_size, geo: _Geometry) -> int:
@@ -1315,7 +1308,8 @@ def _conv_backward(state, gy):
     mapped = False  # dW from a mapped copy of x: no single launch on the saved tensors to plan
     if needs[1]:
         # mapped here, as the forward pass maps, so that the launch on the copy is remembered
-        s2d = _bwd_weight_space_to_depth(handle, x, gy, tuple(w.shape[2:]), geo) if direct else None
+        s2d = (_space_to_depth(handle, "bwd_weight", x, gy.shape[1], tuple(w.shape[2:]), geo, _PLAIN_EPILOGUE)
+               if direct else None)
         wide = 0 if s2d is not None or not direct else _bwd_weight_padding(handle, x, gy, w.shape[2:], geo)
         mapped = s2d is not None or wide > 0
         if s2d is not None:
