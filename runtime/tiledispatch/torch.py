@@ -505,11 +505,9 @@ def _fwd_operands(handle: int, x: torch.Tensor, w: torch.Tensor, geo: _Geometry,
 # zero-padded so that C' is a whole number of 16-byte vectors. bwd_weight runs on the same copy, and dW comes back by
 # the inverse mapping. Chosen where the filter gains few zero taps (prod(ceil(R / s) * s) / prod(R) at most
 # _S2D_MOST_EXTRA: 7x7 / 2 1.31, 4x4 / 4 and 10 / 5 1.0, but 3x3 / 2 1.78) and the cost model rates the selected
-# kernel of the transformed problem cheaper than that of the problem as it is (after its channel padding). Measured
-# on the H200 (bench/results/space_to_depth_h200, CUDA graphs, the copies included): ConvNeXt's 4x4 / 4 stem fwd 0.059
-# -> 0.037 ms and bwd_weight 0.067 -> 0.037, ResNet-50's 7x7 / 2 stem bwd_weight 0.247 -> 0.193, R3D-18's 3x7x7
-# bwd_weight 0.66 -> 0.46, wav2vec2's 10 / 5 front end fwd 0.134 -> 0.098; MobileNetV2's 3x3 / 2 stem would lose
-# (fwd 0.093 -> 0.126).
+# kernel of the transformed problem cheaper than that of the problem as it is (after its channel padding). The tap
+# limit: 3x3 / 2 stems ran slower mapped on the H200, where 7x7 / 2, 4x4 / 4, 10 / 5 and 3x7x7 ones ran faster
+# (bench/results/space_to_depth_h200).
 SPACE_TO_DEPTH_ROUTES = ("auto", "on", "off")
 _S2D_MOST_EXTRA = 4 / 3
 _SPACE_TO_DEPTH = "auto"
@@ -1019,24 +1017,28 @@ def _conv_bwd_weight_run(x, dy, filter_size, geo: _Geometry, handle: int):
     reg = _registry_for(handle, x)
     given_x, given_dy = x, dy
     x, dy = _channels_last(x), _channels_last(dy)
-    channels = x.shape[1] // geo.groups
-    s2d = _space_to_depth(handle, "bwd_weight", x, dy.shape[1], tuple(filter_size), geo, _PLAIN_EPILOGUE)
-    if s2d is not None:  # dW of the unit-stride problem on the space-to-depth copy, mapped back
-        xd = _to_depth(x, s2d)
-        dw = _new_channels_last((dy.shape[1], xd.shape[1], *s2d.taps), xd)
-        conv_op.run(reg, "bwd_weight", xd, dw, dy, dw, s2d.geo.options[0.0], s2d.geo.keys[0.0])
-        return _filter_from_depth(dw, s2d, channels, tuple(filter_size))
-    wide = _bwd_weight_padding(handle, x, dy, filter_size, geo)
-    if wide:  # dW of the zero-padded X, its first C channels
-        x = _zero_padded_channels(x, wide)
-        dw = _new_channels_last((dy.shape[1], wide, *filter_size), x)
-        conv_op.run(reg, "bwd_weight", x, dw, dy, dw, geo.options[0.0], geo.keys[0.0])
-        return _channels_last(dw[:, :channels])
-    dw = _new_channels_last((dy.shape[1], channels, *filter_size), x)
-    conv_op.run(reg, "bwd_weight", x, dw, dy, dw, geo.options[0.0], geo.keys[0.0])
+    xr, filter_size, g, back = _bwd_weight_operands(handle, x, dy, filter_size, geo)
+    dw = _new_channels_last((dy.shape[1], xr.shape[1] // g.groups, *filter_size), xr)
+    conv_op.run(reg, "bwd_weight", xr, dw, dy, dw, g.options[0.0], g.keys[0.0])
+    if back is not None:
+        return back(dw)
     if x is given_x and dy is given_dy:
         _mark_direct(_bwd_weight_pointers)
     return dw
+
+
+def _bwd_weight_operands(handle: int, x: torch.Tensor, dy: torch.Tensor, filter_size, geo: _Geometry) -> tuple:
+    """bwd_weight's (x, filter_size, geo) as it runs, and the map from that problem's dW to the conv's (None: the
+    same): a dense conv with few channels on a space-to-depth copy of x (_space_to_depth) or on x zero-padded in
+    its channels (_channel_padding) where that runs faster, else as given."""
+    filter_size, channels = tuple(filter_size), x.shape[1]
+    s2d = _space_to_depth(handle, "bwd_weight", x, dy.shape[1], filter_size, geo, _PLAIN_EPILOGUE)
+    if s2d is not None:
+        return _to_depth(x, s2d), s2d.taps, s2d.geo, lambda dw: _filter_from_depth(dw, s2d, channels, filter_size)
+    wide = _bwd_weight_padding(handle, x, dy, filter_size, geo)
+    if wide:  # dW of the zero-padded X, its first C channels
+        return _zero_padded_channels(x, wide), filter_size, geo, lambda dw: _channels_last(dw[:, :channels])
+    return x, filter_size, geo, None
 
 
 def _bwd_weight_padding(handle: int, x, dy, filter_size, geo: _Geometry) -> int:
@@ -1306,24 +1308,14 @@ def _conv_backward(state, gy):
         dx = (_remembered(handle, gy, w, None, (), ("bwd_data", geo, args[2]), _conv_bwd_data, *args) if direct
               else _conv_bwd_data(*args))
     mapped = False  # dW from a mapped copy of x: no single launch on the saved tensors to plan
-    if needs[1]:
-        # mapped here, as the forward pass maps, so that the launch on the copy is remembered
-        s2d = (_space_to_depth(handle, "bwd_weight", x, gy.shape[1], tuple(w.shape[2:]), geo, _PLAIN_EPILOGUE)
-               if direct else None)
-        wide = 0 if s2d is not None or not direct else _bwd_weight_padding(handle, x, gy, w.shape[2:], geo)
-        mapped = s2d is not None or wide > 0
-        if s2d is not None:
-            xd, g = _to_depth(x, s2d), s2d.geo
-            args = (xd, gy, s2d.taps, g.stride, g.dilation, g.pad_lo, g.pad_hi, 1, handle)
-            dw = _remembered(handle, xd, gy, None, (), ("bwd_weight", g, s2d.taps), _conv_bwd_weight, *args)
-            dw = _filter_from_depth(dw, s2d, x.shape[1], tuple(w.shape[2:]))
-        else:
-            xw = _zero_padded_channels(x, wide) if wide else x
-            args = (xw, gy, w.shape[2:], stride, dilation, pad_lo, pad_hi, groups, handle)
-            dw = (_remembered(handle, xw, gy, None, (), ("bwd_weight", geo, args[2]), _conv_bwd_weight, *args)
-                  if direct else _conv_bwd_weight(*args))
-            if wide:  # dW's first C channels
-                dw = _channels_last(dw[:, :x.shape[1]])
+    if needs[1] and direct:  # mapped here, as the forward pass maps, so that the launch on the copy is remembered
+        xw, taps, g, back = _bwd_weight_operands(handle, x, gy, w.shape[2:], geo)
+        dw = _remembered(handle, xw, gy, None, (), ("bwd_weight", g, taps), _conv_bwd_weight, xw, gy, taps, g.stride,
+                         g.dilation, g.pad_lo, g.pad_hi, g.groups, handle)
+        if back is not None:
+            dw, mapped = back(dw), True
+    elif needs[1]:
+        dw = _conv_bwd_weight(x, gy, w.shape[2:], stride, dilation, pad_lo, pad_hi, groups, handle)
     if needs[2]:
         db = gy.sum(dim=(0, *range(2, gy.dim())))
     if link is not None and link.native_backward is None and activation == "identity" and not residuals and not mapped:
