@@ -5,6 +5,7 @@ first select (which loads the kernels' libraries).
 
     python bench/sweeps/selection_cost.py [--kernels 200] [--problems 30] [--out bench/results/selection_cost_cpu.json]
     python bench/sweeps/selection_cost.py --shipped-only   # the shipped models alone, JSON to stdout
+    TD_NATIVE=0 python bench/sweeps/selection_cost.py      # the trees evaluated by numpy instead of native/forest.c
 
 The bundle (conv fwd 2D fp32, packed and direct kernels of many tile shapes) is built with scons into
 build/selection_cost (cached). The model is LightGBM trained on a synthetic target over those kernels with the
@@ -212,6 +213,8 @@ def main() -> int:
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k.endswith("_us") or k == "candidates"}
     report = {"kernels": len(reg.kernels), "model": {"trees": len(model.trees.roots), "depth": model.trees.depth,
                                                      "nodes": len(model.trees.feature)},
+              # TD_NATIVE=0 (or no C compiler): numpy
+              "tree_evaluator": "numpy" if model.trees._compiled is None else "native (forest.c)",
               "machine": {"cpu": next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
                                        if ln.startswith("model name")), "?")},
               "first_select_of_the_process_us": once, "median": med,

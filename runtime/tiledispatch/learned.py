@@ -20,6 +20,8 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
+from . import native
+
 MODELS_DIR = Path(__file__).with_name("models")
 MODEL_SCHEMA = 1
 
@@ -188,6 +190,14 @@ def _distinct_rows(at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return distinct, inverse.reshape(-1)
 
 
+class _Compiled(NamedTuple):
+    """An ensemble's leaf masks as the native evaluator (native/forest.c) takes them."""
+    function: object         # td_forest_u32 or td_forest_u64
+    static: tuple            # trees, width, then the tables' pointers: base, first, count, thresholds, stack, leaves
+    arrays: tuple            # the arrays behind those pointers, kept alive with them
+    columns: dict            # frozenset of row columns -> the other features' indices (int64), made once each
+
+
 class TreeEnsemble:
     """Sum of regression trees stored as flat node arrays. A leaf is a node that sends every row to
     itself (feature 0, threshold +inf), so walking a fixed number of levels ends at each row's leaf.
@@ -231,6 +241,8 @@ class TreeEnsemble:
         rows, bits = x.shape[0], masks.bits
         if not rows:
             return np.zeros(0)
+        if self._compiled is not None:
+            return self._predict_compiled(x, rows_token, row_columns)
         kept = None if rows_token is None else self._row_masks.get(rows_token)
         features = [f for f in masks.tables if kept is None or f not in row_columns]
         alike = (x[:, features] == x[0, features]).all(axis=0).tolist()  # NaN is never alike: searched per row
@@ -275,6 +287,62 @@ class TreeEnsemble:
         exponent >>= bits.mantissa
         exponent += masks.offsets
         return masks.leaf_values.take(exponent).sum(axis=1)
+
+    def _predict_compiled(self, x: np.ndarray, rows_token, row_columns: frozenset) -> np.ndarray:
+        """predict() by the native evaluator: the same tables and the same kept masks, one call per prediction."""
+        compiled = self._compiled
+        x = np.ascontiguousarray(x, dtype=np.float64)
+        kept = None if rows_token is None else self._row_masks.get(rows_token)
+        if kept is None and rows_token is not None:
+            mine = sorted(row_columns & self._masks.tables.keys())
+            if mine and not (x[:, mine] == x[0, mine]).all():  # as the numpy path: kept where a row column varies
+                kept = np.empty((x.shape[0], len(self.roots)), dtype=self._masks.bits.type)
+                self._run_compiled(x, np.array(mine, dtype=np.int64), None, kept, None)
+                self._row_masks[rows_token] = kept
+                if len(self._row_masks) > 64:
+                    self._row_masks.popitem(last=False)
+        searched = frozenset() if kept is None else row_columns
+        columns = compiled.columns.get(searched)
+        if columns is None:
+            columns = compiled.columns[searched] = np.array(
+                [f for f in self._masks.tables if f not in searched], dtype=np.int64)
+        out = np.empty(x.shape[0])
+        self._run_compiled(x, columns, kept, None, out)
+        return out
+
+    def _run_compiled(self, x: np.ndarray, columns: np.ndarray, start, masks_out, out) -> None:
+        compiled = self._compiled
+        trees = compiled.static[0]
+        scratch = np.empty(2 * trees, dtype=self._masks.bits.type)  # forest.c's shared and alive
+        varying = np.empty(max(len(columns), 1), dtype=np.int64)
+        status = compiled.function(
+            x.shape[0], trees, compiled.static[1], x.ctypes.data, x.shape[1], len(columns), columns.ctypes.data,
+            *compiled.static[2:7], None if start is None else start.ctypes.data, trees, compiled.static[7],
+            scratch.ctypes.data, scratch[trees:].ctypes.data, varying.ctypes.data,
+            None if masks_out is None else masks_out.ctypes.data, None if out is None else out.ctypes.data)
+        if status != 0:
+            raise RuntimeError("the native tree evaluator found a tree with no leaf left: its tables are broken")
+
+    @functools.cached_property
+    def _compiled(self) -> Optional[_Compiled]:
+        """The leaf masks' tables for native/forest.c, or None without it (TD_NATIVE=0, no C compiler) or without
+        leaf masks (the walk evaluates those trees)."""
+        masks = self._masks
+        library = None if masks is None else native.forest()
+        if library is None:
+            return None
+        size = max(masks.tables, default=-1) + 1
+        base, first, count = (np.zeros(size, dtype=np.int64) for _ in range(3))
+        at = 0
+        for f, (thresholds, _) in masks.tables.items():
+            base[f], first[f], count[f] = masks.base[f], at, len(thresholds)
+            at += len(thresholds)
+        thresholds = np.concatenate([t for t, _ in masks.tables.values()] or [np.zeros(0)]).astype(np.float64)
+        stack, leaves = np.ascontiguousarray(masks.stack), np.ascontiguousarray(masks.leaf_values, dtype=np.float64)
+        arrays = (base, first, count, thresholds, stack, leaves)
+        function = library.td_forest_u32 if masks.bits is _MASK_32 else library.td_forest_u64
+        return _Compiled(function, (len(self.roots), len(leaves) // max(len(self.roots), 1),
+                                    *(a.ctypes.data for a in arrays)), arrays, {})
 
     def _keep_row_masks(self, x: np.ndarray, rows_token, row_columns: frozenset) -> np.ndarray:
         """[row, tree]: what the row_columns leave of each tree's leaves, kept for the token (the most recent 64)."""
@@ -522,25 +590,25 @@ def split(problem, kernels, models: Optional[Path] = None) -> tuple[list, list]:
     if model is None:
         return [], list(kernels)
     token = (model.version, tuple(kern.name for kern in kernels))  # applies() and knows() read the keys alone
-    covers = _memo(_COVERS, token, lambda: _coverage(model, kernels))
-    if not covers:
-        return [], list(kernels)
+    covers, every = _memo(_COVERS, token, lambda: _coverage(model, kernels))
+    if every or not covers:
+        return (list(kernels), []) if every else ([], list(kernels))
     covered, rest = [], []
     for kern, covered_by_model in zip(kernels, covers):
         (covered if covered_by_model else rest).append(kern)
     return covered, rest
 
 
-_COVERS: OrderedDict = OrderedDict()  # (model version, kernel names) -> whether the model applies to each
+_COVERS: OrderedDict = OrderedDict()  # (model version, kernel names) -> _coverage's
 
 
-def _coverage(model, kernels) -> list:
-    """Whether the model applies to each kernel; empty where it applies to one it never saw (a card that lists
-    no kernels, an older model file, vouches for all of them)."""
+def _coverage(model, kernels) -> tuple[list, bool]:
+    """(whether the model applies to each kernel, whether to all of them); ([], False) where it applies to one it
+    never saw (a card that lists no kernels, an older model file, vouches for all of them)."""
     covers = [model.applies(None, kern.key) for kern in kernels]
     if model.kernel_names and any(c and not model.knows(kern.key) for c, kern in zip(covers, kernels)):
-        return []
-    return covers
+        return [], False
+    return covers, all(covers)
 
 
 def scores(problem, kernels, models: Optional[Path] = None) -> Optional[np.ndarray]:
@@ -565,9 +633,8 @@ def rank(problem, kernels, *, covered: bool = False, models: Optional[Path] = No
         predicted = scores(problem, kernels, models)
     if predicted is None:
         return None
-    predicted = predicted.tolist()  # Python floats: a cheaper sort key than numpy scalars
-    order = sorted(range(len(kernels)), key=lambda i: (predicted[i], kernels[i].name))
-    return [kernels[i] for i in order]
+    # Python floats, then the names (unique) on ties: tuples compared in C, cheaper than a key function
+    return [kern for _, _, kern in sorted(zip(predicted.tolist(), (k.name for k in kernels), kernels))]
 
 
 def describe(backend: str, arch: str, models: Optional[Path] = None) -> dict:

@@ -221,8 +221,9 @@ class Registry:
             return None
         per_signature = self._per_signature(problem, operands)
         groups = self._signature_groups()
-        matching = [pair for sig, (reason, _) in per_signature.items() if reason is None for pair in groups[sig]]
-        matching.sort(key=lambda pair: pair[0])  # the bundle's order, as the candidates have it
+        matching = [groups[sig] for sig, (reason, _) in per_signature.items() if reason is None]
+        # the bundle's order, as the candidates have it (each group is in that order)
+        matching = matching[0] if len(matching) == 1 else sorted(pair for group in matching for pair in group)
         for kern in rank(problem, [kern for _, kern in matching]) if matching else ():
             if kern.library.can_run(per_signature[kern.key.signature][1])[0] == abi.OK:
                 return kern

@@ -80,9 +80,11 @@ def test_built_once_into_its_cache_and_loaded_from_there(fresh, capsys):
     """`python -m tiledispatch native` builds it (as the first torch call would); later processes load the file."""
     code, out, err = run_cli(capsys, "native")
     assert code == 0 and out["native"] == "built" and out["path"] == str(native.built_path())
-    assert "compiling the native torch fast path" in err
+    assert out["forest"] == str(native.forest_path())
+    assert "compiling the native torch fast path" in err and "compiling the native tree evaluator" in err
     assert native.built_path().exists() and native.torch_fastpath() is not None
-    assert [p.name for p in fresh.iterdir()] == [native.built_path().name]  # no temporary file left
+    # no temporary file left
+    assert sorted(p.name for p in fresh.iterdir()) == sorted([native.built_path().name, native.forest_path().name])
     native._LOADED.clear()  # a new process: loads the file without compiling
     assert native.torch_fastpath() is not None
     assert "compiling" not in capsys.readouterr().err
@@ -105,9 +107,28 @@ def test_a_failed_build_warns_once_keeps_its_reason_and_falls_back(fresh, monkey
     assert "compiling" in err and failed.exists()  # it compiled again, and kept the new reason
 
 
+def test_a_tree_evaluator_that_cannot_be_built_leaves_numpy_ranking(fresh, monkeypatch):
+    """Without a C compiler the learned ranker's trees are evaluated by numpy: warned once, the same predictions."""
+    from test_selection_models import random_trees
+
+    from tiledispatch import learned
+
+    trees = random_trees(np.random.default_rng(1), 20, 16, 4)
+    x = np.random.default_rng(2).integers(-4, 5, size=(50, 4)).astype(np.float64)
+    compiled = learned.TreeEnsemble(trees)
+    assert compiled._compiled is not None
+    monkeypatch.setattr(native, "_LOADED", {})
+    monkeypatch.setenv("CC", "false")  # another compiler: another file, which fails
+    with pytest.warns(RuntimeWarning, match="tree evaluator could not be built, so the learned ranker uses numpy"):
+        plain = learned.TreeEnsemble(trees)
+        assert plain._compiled is None
+    np.testing.assert_allclose(plain.predict(x), compiled.predict(x), rtol=1e-12, atol=1e-12)
+    assert native.forest_path().with_name(native.forest_path().name + ".failed").exists()
+
+
 def test_turned_off_by_td_native_0(fresh, monkeypatch, capsys):
     monkeypatch.setenv("TD_NATIVE", "0")
-    assert native.torch_fastpath() is None
+    assert native.torch_fastpath() is None and native.forest() is None
     assert run_cli(capsys, "native") == (0, {"native": "off", "why": "TD_NATIVE turns it off"}, "")
     assert not fresh.exists()
 

@@ -1,4 +1,4 @@
-"""The learned ranker (a shipped tree ensemble evaluated with numpy) and measured tuning (autotune with a
+"""The learned ranker (a shipped tree ensemble evaluated by leaf masks, compiled or with numpy) and measured tuning (autotune with a
 persistent per-device record)."""
 import dataclasses
 import json
@@ -77,29 +77,46 @@ def random_trees(rng, trees: int, leaves: int, features: int) -> dict:
     return out
 
 
+def ensemble_of(trees: dict, evaluator: str) -> learned.TreeEnsemble:
+    """A TreeEnsemble whose leaf masks are evaluated by native/forest.c ("native") or by numpy ("numpy", what runs
+    where the native evaluator cannot be built or TD_NATIVE=0 turns it off)."""
+    ensemble = learned.TreeEnsemble(trees)
+    if evaluator == "numpy":
+        ensemble._compiled = None  # the cached property, set before its first use
+    elif ensemble._masks is not None:
+        assert ensemble._compiled is not None, "the native tree evaluator was not built: see its warning"
+    return ensemble
+
+
+@pytest.mark.parametrize("evaluator", ["native", "numpy"])
 @pytest.mark.parametrize("leaves", [1, 2, 31, 32, 33, 64, 65])
-def test_leaf_mask_evaluation_matches_the_tree_walk(leaves):
+def test_leaf_mask_evaluation_matches_the_tree_walk(leaves, evaluator):
     """predict() (leaf masks: 32-bit up to 32 leaves, 64-bit up to 64, the walk beyond) against walking the trees,
     on rows that hit thresholds exactly, lie between and beyond them, and hold NaN and infinities."""
     rng = np.random.default_rng(leaves)
-    ensemble = learned.TreeEnsemble(random_trees(rng, 40, leaves, 5))
+    ensemble = ensemble_of(random_trees(rng, 40, leaves, 5), evaluator)
     x = rng.integers(-4, 5, size=(300, 5)).astype(np.float64) + rng.choice([0.0, 0.5], size=(300, 5))
     x[::7, 1], x[::11, 2], x[::13, 3] = np.nan, np.inf, -np.inf
     x[:, 4] = 1.0  # a column alike in every row (a feature of the problem alone), on a threshold
     np.testing.assert_allclose(ensemble.predict(x), ensemble.walk(x), rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(ensemble.predict(x[5:6]), ensemble.walk(x[5:6]), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(ensemble.predict(x[::-3]), ensemble.walk(x[::-3]), rtol=1e-12, atol=1e-12)  # a view
+    x[:, 3] = np.nan  # NaN in every row: alike to the eye, never to a test
+    np.testing.assert_allclose(ensemble.predict(x), ensemble.walk(x), rtol=1e-12, atol=1e-12)
     assert ensemble.predict(x[:0]).shape == (0,)
     assert (ensemble._masks is None) == (leaves > 64)
     if ensemble._masks is not None:
         assert ensemble._masks[3].type == (np.uint32 if leaves <= 32 else np.uint64)
 
+
+@pytest.mark.parametrize("evaluator", ["native", "numpy"])
 @pytest.mark.parametrize("leaves", [31, 33, 65])
-def test_kept_kernel_column_masks_change_no_prediction(leaves):
+def test_kept_kernel_column_masks_change_no_prediction(leaves, evaluator):
     """Columns 0-1 play the kernels' (the same per row whatever the problem), 2-4 the problem's: predictions with
     the kernel columns' masks kept per rows token equal the plain ones, for the call that keeps them, for later
     problems on the same rows, for another row set, and with every kernel column alike across the rows."""
     rng = np.random.default_rng(leaves)
-    ensemble = learned.TreeEnsemble(random_trees(rng, 40, leaves, 5))
+    ensemble = ensemble_of(random_trees(rng, 40, leaves, 5), evaluator)
     kernels = rng.integers(-4, 5, size=(60, 2)).astype(np.float64)
     for token, rows in (("a", kernels), ("b", kernels[::-1]), ("a", kernels), ("c", np.ones((60, 2)))):
         for _ in range(3):  # new problems on the same kernels
@@ -110,6 +127,16 @@ def test_kept_kernel_column_masks_change_no_prediction(leaves):
                                        rtol=1e-12, atol=1e-12)
     # kept for the row sets whose kernel columns differ between rows; "c"'s are alike, looked up once per problem
     assert ensemble._masks is None or set(ensemble._row_masks) == {"a", "b"}
+
+
+def test_native_evaluator_refuses_tables_that_leave_a_tree_no_leaf():
+    ensemble = ensemble_of(random_trees(np.random.default_rng(0), 10, 8, 3), "native")
+    x = np.zeros((4, 3))
+    expected = ensemble.walk(x)
+    np.testing.assert_allclose(ensemble.predict(x), expected, rtol=1e-12, atol=1e-12)
+    ensemble._masks.stack[:] = 0  # every table row rules out every leaf
+    with pytest.raises(RuntimeError, match="no leaf left"):
+        ensemble.predict(x)
 
 
 def test_kernel_features_are_the_keys_alone():

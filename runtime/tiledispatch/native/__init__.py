@@ -11,11 +11,17 @@ into $TD_NATIVE_CACHE, else $XDG_CACHE_HOME/tiledispatch/native, else ~/.cache/t
 process loads the built file. TD_NATIVE=0 turns it off. When it cannot be built, the reason is kept beside it
 (NAME.failed, which stops further attempts until it is removed) and the Python paths are used: the same results,
 slower.
+
+forest.c evaluates the learned ranker's trees by leaf masks (learned.TreeEnsemble.predict's numpy path, compiled:
+numpy's cost per operation rules at a bundle's size). It needs only a C compiler ($CC, else cc), is built the same
+way and loaded with ctypes (forest()); without it the numpy path ranks, with the same predictions up to rounding.
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import importlib.machinery
+import platform
 import importlib.util
 import os
 import shlex
@@ -31,6 +37,7 @@ from typing import Optional
 from ..caches import user_cache_dir
 
 SOURCE = Path(__file__).with_name("torch_fastpath.cpp")
+FOREST_SOURCE = Path(__file__).with_name("forest.c")
 ABI_HEADER = Path(__file__).parents[1] / "include" / "tiledispatch_abi.h"  # the td_args the launch fills
 MODULE = "_td_torch_fastpath"  # the name its PyInit function carries
 _LOCK = threading.Lock()
@@ -53,8 +60,49 @@ def torch_fastpath():
         return None
     with _LOCK:
         if "torch_fastpath" not in _LOADED:
-            _LOADED["torch_fastpath"] = _load_or_build()
+            _LOADED["torch_fastpath"] = _load_or_build(
+                built_path(), _build_command, _import, "the native torch fast path",
+                "cached calls use the Python one (slower, same results)",
+                "(once per torch version, about 10-20 s) ")
         return _LOADED["torch_fastpath"]
+
+
+def forest():
+    """The compiled tree evaluator (a ctypes library: td_forest_u32, td_forest_u64), built if needed; None when
+    TD_NATIVE=0 or it cannot be built here (warned once, with the reason's file)."""
+    if not enabled():
+        return None
+    with _LOCK:
+        if "forest" not in _LOADED:
+            _LOADED["forest"] = _load_or_build(forest_path(), _forest_command, _load_forest,
+                                               "the native tree evaluator", "the learned ranker uses numpy (slower)")
+        return _LOADED["forest"]
+
+
+def forest_path() -> Path:
+    """Where the tree evaluator for this source, compiler and machine is (or would be) built."""
+    tag = "\n".join([FOREST_SOURCE.read_text(), os.environ.get("CC", "cc"), platform.machine()])
+    return cache_dir() / f"forest-{hashlib.sha256(tag.encode()).hexdigest()[:16]}.so"
+
+
+def _forest_command(output: Path) -> list[str]:
+    return [*shlex.split(os.environ.get("CC", "cc")), "-O3", "-shared", "-fPIC", str(FOREST_SOURCE), "-o",
+            str(output)]
+
+
+def _load_forest(path: Path):
+    """The library with its functions' argument types declared, or None (warned) when it does not load."""
+    try:
+        library = ctypes.CDLL(str(path))
+    except OSError as error:
+        warnings.warn(f"tiledispatch: {path} does not load ({error}); the learned ranker uses numpy (remove the "
+                      f"file to rebuild it)", RuntimeWarning, stacklevel=3)
+        return None
+    i64, pointer = ctypes.c_int64, ctypes.c_void_p
+    for function in (library.td_forest_u32, library.td_forest_u64):
+        function.restype = ctypes.c_int
+        function.argtypes = [i64, i64, i64, pointer, i64, i64, *[pointer] * 7, i64, *[pointer] * 6]
+    return library
 
 
 def _build_command(output: Path) -> list[str]:
@@ -82,27 +130,27 @@ def built_path() -> Path:
     return cache_dir() / f"torch_fastpath-{digest}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
 
 
-def _load_or_build():
-    target = built_path()
+def _load_or_build(target: Path, command, load, what: str, instead: str, duration: str = ""):
+    """load(target), compiling it first with command(path) where it is missing; None (warned once, the reason kept
+    beside it) where it cannot be built. what: how messages name it; instead: what runs without it."""
     failed = target.with_name(target.name + ".failed")
     if not target.exists():
         if failed.exists():
             return None  # warned when it failed; removing the file asks for another attempt
-        reason = _build(target)
+        reason = _build(target, command, what, duration)
         if reason is not None:
             try:
                 failed.parent.mkdir(parents=True, exist_ok=True)
                 failed.write_text(reason)
             except OSError:
                 pass
-            warnings.warn(f"tiledispatch: the native torch fast path could not be built, so cached calls use "
-                          f"the Python one (slower, same results); the reason is in {failed} (remove it to "
-                          f"try again, or set TD_NATIVE=0)", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"tiledispatch: {what} could not be built, so {instead}; the reason is in {failed} "
+                          f"(remove it to try again, or set TD_NATIVE=0)", RuntimeWarning, stacklevel=3)
             return None
-    return _import(target)
+    return load(target)
 
 
-def _build(target: Path) -> Optional[str]:
+def _build(target: Path, make_command, what: str, duration: str) -> Optional[str]:
     """Compile into target (atomically: a process racing this one finds either nothing or the whole file);
     None on success, else what went wrong."""
     try:
@@ -112,9 +160,8 @@ def _build(target: Path) -> Optional[str]:
     except OSError as error:
         return f"cannot write the cache directory {target.parent}: {error}"
     try:
-        command = _build_command(Path(temporary))
-        print(f"tiledispatch: compiling the native torch fast path (once per torch version, about 10-20 s) "
-              f"into {target.parent}", file=sys.stderr, flush=True)
+        command = make_command(Path(temporary))
+        print(f"tiledispatch: compiling {what} {duration}into {target.parent}", file=sys.stderr, flush=True)
         done = subprocess.run(command, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             return f"$ {shlex.join(command)}\nexit status {done.returncode}\n{done.stderr[-4000:]}"
@@ -142,24 +189,26 @@ def _import(path: Path):
 
 
 def build_now() -> dict:
-    """Build (or find) the native module now, as `python -m tiledispatch native` does: for an image or a shared
+    """Build (or find) the native helpers now, as `python -m tiledispatch native` does: for an image or a shared
     machine, so that no later process compiles. An explicit request tries again where an earlier attempt failed.
-    RuntimeError with the compiler's complaint when it cannot be built."""
+    RuntimeError with the compiler's complaint when one cannot be built."""
     if not enabled():
         return {"native": "off", "why": "TD_NATIVE turns it off"}
     import torch
 
-    target = built_path()
-    failed = target.with_name(target.name + ".failed")
-    with _LOCK:
-        if failed.exists():
-            failed.unlink()
-        _LOADED.pop("torch_fastpath", None)
-    existed = target.exists()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the reason is raised below
-        module = torch_fastpath()
-    if module is None:
-        reason = failed.read_text() if failed.exists() else f"{target} does not load"
-        raise RuntimeError(f"the native torch fast path could not be built: {reason}")
-    return {"native": "loaded" if existed else "built", "path": str(target), "torch": torch.__version__}
+    found = {}
+    for name, target, get in (("forest", forest_path(), forest), ("torch_fastpath", built_path(), torch_fastpath)):
+        failed = target.with_name(target.name + ".failed")
+        with _LOCK:
+            if failed.exists():
+                failed.unlink()
+            _LOADED.pop(name, None)
+        found[name] = target.exists()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the reason is raised below
+            helper = get()
+        if helper is None:
+            reason = failed.read_text() if failed.exists() else f"{target} does not load"
+            raise RuntimeError(f"the native {name} helper could not be built: {reason}")
+    return {"native": "loaded" if found["torch_fastpath"] else "built", "path": str(built_path()),
+            "torch": torch.__version__, "forest": str(forest_path())}

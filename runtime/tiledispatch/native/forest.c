@@ -1,0 +1,90 @@
+/* A tree ensemble evaluated by leaf masks: learned.TreeEnsemble.predict's numpy path, compiled, because numpy's
+ * cost per operation rules at a bundle's size (tens to hundreds of kernels, a few hundred trees) and a first
+ * select of a new problem has about 200 us in all.
+ *
+ * The tables are learned.TreeEnsemble._masks': per feature its splits' thresholds, sorted, and a table whose row p
+ * holds per tree the leaves that remain once the first p splits' tests (x <= threshold) failed; all tables'
+ * rows one after another in `stack`. A row of x keeps in each tree the AND of one table row per feature (p: how
+ * many thresholds lie below its value) and exits at the lowest set bit: the leftmost leaf left. */
+#include <stdint.h>
+
+/* How many thresholds lie below the value (Python's bisect_left); NaN fails every test: past them all. */
+static int64_t below(const double *thresholds, int64_t count, double value) {
+    if (value != value)
+        return count;
+    int64_t lo = 0, hi = count;
+    while (lo < hi) {
+        int64_t mid = (lo + hi) >> 1;
+        if (thresholds[mid] < value)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* For each of `rows` rows of x (row r at x + r * x_stride, its features by index):
+ *   alive = start (the row's own at start + r * start_stride, or one for all rows with start_stride 0; all ones
+ *           where start is NULL) AND, for each of the `columns` features f, the stack row base[f] + below(f's
+ *           thresholds, x[f]);
+ *   masks_out (where not NULL): alive, at masks_out + r * trees;
+ *   out (where not NULL): the sum over the trees of leaf_values[tree * width + lowest set bit of alive].
+ * A column alike in every row (a feature of the problem alone) is searched and ANDed once, into `shared`; the
+ * others' indices go to `varying`. Scratch: shared holds `trees` masks, alive `trees` (unused with masks_out),
+ * varying `columns` indices. Returns 0, or -1 where a tree has no leaf left (tables not of these trees). */
+#define EVALUATE(NAME, MASK, LOWEST)                                                                                 \
+    int NAME(int64_t rows, int64_t trees, int64_t width, const double *x, int64_t x_stride, int64_t columns,      \
+             const int64_t *column, const int64_t *base, const int64_t *first, const int64_t *count,              \
+             const double *thresholds, const MASK *stack, const MASK *start, int64_t start_stride,                \
+             const double *leaf_values, MASK *shared, MASK *alive, int64_t *varying, MASK *masks_out,             \
+             double *out) {                                                                                        \
+        int64_t n_varying = 0;                                                                                    \
+        if (rows <= 0)                                                                                            \
+            return 0;                                                                                             \
+        for (int64_t t = 0; t < trees; ++t)                                                                       \
+            shared[t] = (MASK)~(MASK)0;                                                                           \
+        for (int64_t j = 0; j < columns; ++j) {                                                                   \
+            int64_t f = column[j], r = 1;                                                                         \
+            double value = x[f];                                                                                  \
+            while (r < rows && x[r * x_stride + f] == value)                                                      \
+                ++r;                                                                                              \
+            if (r < rows || value != value) {                                                                     \
+                varying[n_varying++] = f;                                                                         \
+                continue;                                                                                         \
+            }                                                                                                     \
+            const MASK *m = stack + (base[f] + below(thresholds + first[f], count[f], value)) * trees;          \
+            for (int64_t t = 0; t < trees; ++t)                                                                   \
+                shared[t] &= m[t];                                                                                \
+        }                                                                                                         \
+        for (int64_t r = 0; r < rows; ++r) {                                                                      \
+            const double *xr = x + r * x_stride;                                                                  \
+            MASK *a = masks_out ? masks_out + r * trees : alive;                                                  \
+            if (start) {                                                                                          \
+                const MASK *s = start + r * start_stride;                                                         \
+                for (int64_t t = 0; t < trees; ++t)                                                               \
+                    a[t] = s[t] & shared[t];                                                                      \
+            } else {                                                                                              \
+                for (int64_t t = 0; t < trees; ++t)                                                               \
+                    a[t] = shared[t];                                                                             \
+            }                                                                                                     \
+            for (int64_t j = 0; j < n_varying; ++j) {                                                             \
+                int64_t f = varying[j];                                                                           \
+                const MASK *m = stack + (base[f] + below(thresholds + first[f], count[f], xr[f])) * trees;      \
+                for (int64_t t = 0; t < trees; ++t)                                                               \
+                    a[t] &= m[t];                                                                                 \
+            }                                                                                                     \
+            if (out) { /* four sums: one would wait on each addition before the next */                          \
+                double sum[4] = {0.0, 0.0, 0.0, 0.0};                                                             \
+                for (int64_t t = 0; t < trees; ++t) {                                                             \
+                    if (!a[t])                                                                                    \
+                        return -1;                                                                                \
+                    sum[t & 3] += leaf_values[t * width + LOWEST(a[t])];                                          \
+                }                                                                                                 \
+                out[r] = (sum[0] + sum[1]) + (sum[2] + sum[3]);                                                   \
+            }                                                                                                     \
+        }                                                                                                         \
+        return 0;                                                                                                 \
+    }
+
+EVALUATE(td_forest_u32, uint32_t, __builtin_ctz)
+EVALUATE(td_forest_u64, uint64_t, __builtin_ctzll)
