@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import tiledispatch as td
-from tiledispatch import learned, reference, selection, tuning, validation
+from tiledispatch import backends, learned, reference, selection, tuning, validation
 from tiledispatch.registry import TUNE_MARGIN
 from tiledispatch.ops.conv import ConvProblem
 from tiledispatch.ops.gemm import GemmProblem
@@ -157,6 +157,35 @@ def test_kernel_features_are_the_keys_alone():
                                                  (8, 96, 96, 96, (14, 14), (5, 5), (2, 2))))
     columns = [i for i, name in enumerate(learned.CONV_FEATURES) if name in learned.KERNEL_FEATURES]
     assert len(columns) == 14 and np.array_equal(one[:, columns], two[:, columns])
+
+
+def test_batched_costs_equal_each_kernels_own():
+    """cost_terms (one gemm_view per view key, the defaults once per problem, arrays over the kernels) gives every
+    kernel of the preselected conv sets the cost estimated_cost gives it alone (a family whose view key leaves out
+    what its gemm_view reads would fail here where two of these kernels differ only in what it leaves out). Problems of every direction and rank, with stride, groups and
+    depthwise, on which the direct kernels' stride-2 halo rule (problem_factor) fires."""
+    from tiledispatch.generator import kernelset
+
+    keys = [e.key for e in kernelset.load(["conv_fp16_all_essential"], "cutlass", "sm90a")]
+    rng = np.random.default_rng(7)
+    halved = 0
+    for direction in ("fwd", "bwd_data", "bwd_weight"):
+        for dims in (1, 2, 3):
+            mine = [k for k in keys if k.signature.direction == direction and k.signature.spatial_dims == dims]
+            # depthwise 7x7 / 2 and 5x5 / 2 (the halo rule), then random layers
+            shapes = [(96, 96, 96, 7, 2), (8, 8, 8, 5, 2)]
+            for _ in range(8):
+                g = int(rng.choice([1, 1, 4, 32]))
+                shapes.append((g, g * int(rng.choice([1, 4, 8, 24])), g * int(rng.choice([1, 4, 8, 24])),
+                               int(rng.choice([1, 3, 5, 7])), int(rng.choice([1, 2]))))
+            for g, c, k, f, st in shapes:
+                size = (int(rng.integers(7, 120)),) * dims
+                p = ConvProblem(direction, int(rng.integers(1, 33)), g, c, k, size, (f,) * dims, (st,) * dims,
+                                (1,) * dims, (f // 2,) * dims, (f // 2,) * dims, "fp16", "fp16", "fp16")
+                alone = [selection.estimated_cost(p, key) for key in mine]
+                np.testing.assert_allclose(selection.cost_terms(p, mine)["cost"], alone, rtol=1e-12)
+                halved += sum(backends.family_of(key).problem_factor(p, key) == 2.0 for key in mine)
+    assert halved  # the rule fired on some kernels and not on others of the same problems
 
 
 def test_shipped_model_beat_analytic_in_training():

@@ -14,6 +14,7 @@ Arrays come in one of two forms, chosen by the caller with `groups`:
 """
 from __future__ import annotations
 
+import functools
 import numbers
 import operator
 import threading
@@ -146,7 +147,7 @@ class ConvProblem:
     def spatial_dims(self) -> int:
         return len(self.in_size)
 
-    @property
+    @functools.cached_property  # the cost models read it per kernel; kept in the instance, not a field
     def out_size(self) -> tuple[int, ...]:
         return tuple((i + lo + hi - d * (f - 1) - 1) // s + 1 for i, f, s, d, lo, hi in
                      zip(self.in_size, self.filter_size, self.stride, self.dilation, self.pad_lo, self.pad_hi))
