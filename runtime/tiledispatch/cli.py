@@ -498,7 +498,8 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("-o", "--output", default=".", help="directory for the wheel (default: .)")
     sp.add_argument("--name", help="the name td.load finds it by (default: the pack file's name without .tdpack)")
     sp.add_argument("--version", default="1.0.0", help="the wheel's version (default: 1.0.0)")
-    sp = sub.add_parser("native", help="build the native torch fast path now (else the first torch call builds it)")
+    sp = sub.add_parser("native", help="build the native helpers now: the torch fast path and the learned ranker's "
+                                       "tree evaluator (else their first use does)")
     sp.set_defaults(fn=cmd_native, standalone=True)
     return ap
 

@@ -673,8 +673,9 @@ def test_compile_fullgraph_of_a_fused_model(reg, mode):
 @pytest.mark.parametrize("cls", [TinyResNet, TinyMobileNet, TinyConvNeXt])
 def test_gpu_fused_model_matches_eager_and_replays_in_a_cuda_graph(cls):
     """Needs $TD_TORCH_BUNDLE (a cutlass bundle with fp16 GEMM and conv kernels, as test_torch_integration's GPU
-    tests): the fused fp16 channels-last model against the unfused eager model (ten times the fp16 kernel
-    tolerance: a whole model), and its CUDA-graph replay against its own eager output."""
+    tests, and fp16_rcr_fused's epilogue GEMMs: TinyConvNeXt's linear -> GELU chains fuse only into those): the
+    fused fp16 channels-last model against the unfused eager model (ten times the fp16 kernel tolerance: a whole
+    model), and its CUDA-graph replay against its own eager output."""
     import os
 
     if not torch.cuda.is_available():
@@ -685,7 +686,8 @@ def test_gpu_fused_model_matches_eager_and_replays_in_a_cuda_graph(cls):
     reg = td.load(path)
     model = make(cls).cuda().half().to(memory_format=torch.channels_last).eval().requires_grad_(False)
     fused, report = tdt.fuse(model, reg)
-    assert report.fused and not report.patch.unsupported, str(report)
+    assert report.fused, f"nothing fused (does the bundle hold fp16_rcr_fused's epilogue GEMMs?): {report}"
+    assert not report.patch.unsupported, str(report)
     static_x = rand(8, 3, 32, 32, seed=30, dtype=torch.float16).cuda().contiguous(memory_format=torch.channels_last)
     with torch.no_grad():
         ref, out = model(static_x), fused(static_x)

@@ -222,6 +222,27 @@ def test_learned_ranking_on_its_sweep(task):
     assert sum(learned_effs) > sum(analytic_effs)
 
 
+@pytest.mark.parametrize("task", learned.TASKS)
+def test_native_and_numpy_evaluators_rank_alike_with_the_shipped_models(task):
+    """Each shipped model, its leaf masks evaluated by native/forest.c and by numpy, on the first 60 problems of the
+    sweep it was trained on with their kernels, the kernel columns' masks kept as the ranker keeps them: the same
+    scores up to rounding, so the same order."""
+    sys.path.insert(0, str(REPO / "bench" / "sweeps"))
+    import train
+
+    model = learned.model_for("cutlass", "sm90a", task)
+    trees = json.loads(learned.model_path("cutlass", "sm90a", task).read_text())["trees"]
+    native, plain = ensemble_of(trees, "native"), ensemble_of(trees, "numpy")
+    stores = [str(REPO / "bench" / "results" / "sweeps" / s) for s in model.meta["stores"]]
+    for p in train.load_problems(stores)[("cutlass", "sm90a", task)]["problems"][:60]:
+        x = learned.features(p["problem"], p["keys"])
+        x = x if model.columns is None else x[:, model.columns]
+        names = tuple(p["names"])
+        one, two = (e.predict(x, names, model.kernel_columns) for e in (native, plain))
+        np.testing.assert_allclose(one, two, rtol=1e-12, atol=1e-12)
+        assert [n for _, n in sorted(zip(one.tolist(), names))] == [n for _, n in sorted(zip(two.tolist(), names))]
+
+
 def test_learned_falls_back_to_analytic_where_no_model_applies():
     fp16_kernels = sweep_kernels()[:6]
     problem = fp16(512, 512, 512)
