@@ -3,8 +3,8 @@ much slower each kernel is than the best one for a problem; the ranker sorts by 
 
 Models are data (models/<backend>_<arch>_<task>.json, written by bench/sweeps/train.py from LightGBM):
 per node a feature, a threshold and two children, evaluated here by leaf masks for every tree and every
-candidate at once (by native/forest.c where it is built, else by numpy). The features come from one function (features) that both training and the
-runtime call, so the two can never disagree about what a feature means.
+candidate at once (by native/forest.c where it is built, else by numpy). The features come from one function
+(features) that both training and the runtime call, so the two can never disagree about what a feature means.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The learned ranker (a shipped tree ensemble evaluated by leaf masks, compiled or with numpy) and measured tuning (autotune with a
-persistent per-device record)."""
+"""The learned ranker (a shipped tree ensemble evaluated by leaf masks, compiled or with numpy) and measured
+tuning (autotune with a persistent per-device record)."""
 import dataclasses
 import json
 import math
@@ -162,8 +162,9 @@ def test_kernel_features_are_the_keys_alone():
 def test_batched_costs_equal_each_kernels_own():
     """cost_terms (one gemm_view per view key, the defaults once per problem, arrays over the kernels) gives every
     kernel of the preselected conv sets the cost estimated_cost gives it alone (a family whose view key leaves out
-    what its gemm_view reads would fail here where two of these kernels differ only in what it leaves out). Problems of every direction and rank, with stride, groups and
-    depthwise, on which the direct kernels' stride-2 halo rule (problem_factor) fires."""
+    what its gemm_view reads would fail here where two of these kernels differ only in what it leaves out).
+    Problems of every direction and rank, with stride, groups and depthwise, on which the direct kernels' stride-2
+    halo rule (problem_factor) fires."""
     from tiledispatch.generator import kernelset
 
     keys = [e.key for e in kernelset.load(["conv_fp16_all_essential"], "cutlass", "sm90a")]

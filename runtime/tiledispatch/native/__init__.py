@@ -21,9 +21,9 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import importlib.machinery
-import platform
 import importlib.util
 import os
+import platform
 import shlex
 import subprocess
 import sys
@@ -197,7 +197,8 @@ def build_now() -> dict:
     import torch
 
     found = {}
-    for name, target, get in (("forest", forest_path(), forest), ("torch_fastpath", built_path(), torch_fastpath)):
+    for name, what, target, get in (("forest", "tree evaluator", forest_path(), forest),
+                                    ("torch_fastpath", "torch fast path", built_path(), torch_fastpath)):
         failed = target.with_name(target.name + ".failed")
         with _LOCK:
             if failed.exists():
@@ -209,6 +210,6 @@ def build_now() -> dict:
             helper = get()
         if helper is None:
             reason = failed.read_text() if failed.exists() else f"{target} does not load"
-            raise RuntimeError(f"the native {name} helper could not be built: {reason}")
+            raise RuntimeError(f"the native {what} could not be built: {reason}")
     return {"native": "loaded" if found["torch_fastpath"] else "built", "path": str(built_path()),
             "torch": torch.__version__, "forest": str(forest_path())}

@@ -1,6 +1,6 @@
 /* A tree ensemble evaluated by leaf masks: learned.TreeEnsemble.predict's numpy path, compiled, because numpy's
- * cost per operation rules at a bundle's size (tens to hundreds of kernels, a few hundred trees) and a first
- * select of a new problem has about 200 us in all.
+ * cost per operation rules at a bundle's size (tens to hundreds of kernels, a few hundred trees) and the first
+ * select of a new problem has a budget of 200 us in all.
  *
  * The tables are learned.TreeEnsemble._masks': per feature its splits' thresholds, sorted, and a table whose row p
  * holds per tree the leaves that remain once the first p splits' tests (x <= threshold) failed; all tables'
