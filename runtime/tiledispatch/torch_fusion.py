@@ -5,7 +5,11 @@
 
 Chains fused (each into one call of tiledispatch.torch.conv / matmul with an epilogue):
     conv -> [batch norm] -> [+ residual] -> [activation]
-    linear -> [+ residual] -> [activation]
+    linear -> [scale, permute ...] -> [+ residual] -> [activation]
+A scale is a multiply by a model tensor holding one value per output feature (ConvNeXt's layer scale), in eval
+mode only: like a batch norm it is folded into the weight and bias (in float32, cast to the weight's dtype). A
+permute between the linear and what is fused moves the residual into the linear's layout and the result out of
+it (views: nothing is copied).
 activation: relu, relu6 / hardtanh (clamp), silu, gelu (erf or tanh), sigmoid, tanh, as modules (nn.ReLU, ...),
 functions (F.relu, torch.relu, ...) or tensor methods (x.relu()). A batch norm in eval mode (running statistics)
 is folded into the conv's weight and a bias, computed in float32 and cast to the weight's dtype; in training
@@ -106,26 +110,47 @@ class FusedConv(nn.Module):
 
 class FusedLinear(nn.Module):
     """act(x @ weight^T + bias + residual) as one tiledispatch.torch GEMM call: a linear layer with the residual
-    add and activation that followed it."""
+    add and activation that followed it. folded_scale: the weight and bias hold an eval-mode per-feature scale, so
+    the module refuses to run in training mode. layout: the permutation the chain applied to the linear's output
+    before the residual add (axes[i]: the linear's axis at i), or None: the residual is moved into the linear's
+    layout and the result out of it (views)."""
 
-    def __init__(self, linear: nn.Linear, *, handle: int, residual: bool, activation: str, clamp: tuple):
+    def __init__(self, linear: nn.Linear, weight: nn.Parameter, bias: Optional[nn.Parameter], *, handle: int,
+                 residual: bool, activation: str, clamp: tuple, folded_scale: bool, layout: Optional[list] = None):
         super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias
+        self.weight, self.bias = weight, bias
         self.handle, self.residual, self.activation, self.clamp = handle, residual, activation, tuple(clamp)
+        self.folded_scale = folded_scale
+        self.layout = None if layout is None else tuple(layout)
+        self.inverse = None if layout is None else tuple(sorted(range(len(layout)), key=layout.__getitem__))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}, "
                 f"bias={self.bias is not None}, residual={self.residual}, activation={self.activation}"
-                + (f"{self.clamp}" if self.activation == "clamp" else ""))
+                + (f"{self.clamp}" if self.activation == "clamp" else "")
+                + (", scale folded" if self.folded_scale else "")
+                + (f", output permuted {list(self.layout)}" if self.layout is not None else ""))
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.folded_scale and self.training:
+            raise RuntimeError("this linear has an eval-mode scale folded in (tiledispatch.torch.fuse of a model in "
+                               "eval mode): fuse the model in training mode to train it")
+        if self.layout is None:
+            return self._fused(x, residual, self.activation, self.clamp)
+        if residual is not None and residual.dim() != len(self.layout):  # a broadcast add: torch's, as the model's
+            y = self._fused(x, None, "identity", NO_CLAMP).permute(self.layout)
+            return _torch_activation(y + residual, self.activation, self.clamp)
+        residual = None if residual is None else residual.permute(self.inverse)
+        return self._fused(x, residual, self.activation, self.clamp).permute(self.layout)
+
+    def _fused(self, x: torch.Tensor, residual: Optional[torch.Tensor], activation: str, clamp: tuple):
         w = self.weight
         if residual is None:
-            return tdt._linear(x, w, self.bias, (), self.activation, *self.clamp, self.handle)
+            return tdt._linear(x, w, self.bias, (), activation, *clamp, self.handle)
         if residual.shape == (*x.shape[:-1], self.weight.shape[0]) and residual.dtype == _compute_dtype(x):
-            return tdt._linear(x, w, self.bias, (residual,), self.activation, *self.clamp, self.handle)
+            return tdt._linear(x, w, self.bias, (residual,), activation, *clamp, self.handle)
         y = tdt._linear(x, w, self.bias, (), "identity", *NO_CLAMP, self.handle)  # torch's add, as the model had it
-        return _torch_activation(y + residual, self.activation, self.clamp)
+        return _torch_activation(y + residual, activation, clamp)
 
 
 # -- report --------------------------------------------------------------------------------------------------
@@ -275,6 +300,69 @@ def _residual_of(node: fx.Node, cur: fx.Node) -> Optional[fx.Node]:
     return other
 
 
+def _permute_dims(node: fx.Node, cur: fx.Node) -> Optional[list]:
+    """The dims of node when it is cur.permute(dims) (a method or torch.permute), else None."""
+    if node.kwargs or not node.args or node.args[0] is not cur:
+        return None
+    if node.op == "call_method" and node.target == "permute":
+        dims = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) else node.args[1:]
+    elif node.op == "call_function" and node.target is torch.permute and len(node.args) == 2:
+        dims = node.args[1]
+    else:
+        return None
+    dims = list(dims)
+    if not dims or not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+        return None
+    dims = [d % len(dims) if -len(dims) <= d < len(dims) else -1 for d in dims]
+    return dims if sorted(dims) == list(range(len(dims))) else None
+
+
+def _passes_through(node: fx.Node, cur: fx.Node, modules: dict) -> bool:
+    """Whether node returns cur itself: an nn.Identity, or torchvision's stochastic depth traced in eval mode (its
+    training argument False: fx keeps the call, which returns its input then)."""
+    if node.op == "call_module":
+        return type(modules.get(node.target)) is nn.Identity and node.args == (cur,) and not node.kwargs
+    target = node.target
+    if node.op != "call_function" or getattr(target, "__name__", "") != "stochastic_depth" or \
+            not getattr(target, "__module__", "").startswith("torchvision.") or not node.args or node.args[0] is not cur:
+        return False
+    return _arg(node, 3, "training", True) is False
+
+
+def _scale_of(gm: fx.GraphModule, node: fx.Node, cur: fx.Node, linear: nn.Module, axes: Optional[list]):
+    """The per-output-feature factor (1D, float32) when node is cur * t for a tensor t of the model (a parameter or
+    buffer) of the linear's dtype that holds one value per output feature along the features' axis (axes: the
+    permutation cur shows the linear's output in, None for none), else None."""
+    if node.kwargs or len(node.args) != 2 or cur not in node.args:
+        return None
+    if not ((node.op == "call_function" and node.target in (operator.mul, torch.mul))
+            or (node.op == "call_method" and node.target == "mul" and node.args[0] is cur)):
+        return None
+    other = node.args[1] if node.args[0] is cur else node.args[0]
+    if not isinstance(other, fx.Node) or other.op != "get_attr":
+        return None
+    try:
+        t = _attr(gm, other.target)
+    except AttributeError:
+        return None
+    features = linear.out_features
+    if not isinstance(t, torch.Tensor) or t.dtype != linear.weight.dtype or t.device != linear.weight.device:
+        return None
+    rank = 1 if axes is None else len(axes)
+    where = rank - 1 if axes is None else axes.index(rank - 1)
+    shape = [1] * (rank - t.dim()) + list(t.shape)
+    if t.dim() > rank or shape != [features if i == where else 1 for i in range(rank)]:
+        return None
+    return t.detach().float().reshape(features)
+
+
+def _attr(gm: fx.GraphModule, target: str):
+    obj = gm
+    for name in target.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
 def _describe(node: fx.Node, prefix: str) -> str:
     if node.op == "call_module":
         return _join(prefix, node.target)
@@ -313,6 +401,15 @@ def _fold_bn(conv: nn.Module, bn: nn.Module) -> tuple[torch.Tensor, torch.Tensor
         w = conv.weight.float() * scale.view(-1, *([1] * (conv.weight.dim() - 1)))
         weight = torch.empty_like(conv.weight).copy_(w)  # empty_like keeps a channels-last weight channels-last
         bias = shift.to(conv.weight.dtype)
+    return weight, bias
+
+
+def _fold_scale(linear: nn.Module, scale: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The weight and bias of linear followed by a per-output-feature multiply by scale (float32): w * s and b * s,
+    computed in float32 and cast to the weight's dtype."""
+    with torch.no_grad():
+        weight = (linear.weight.float() * scale[:, None]).to(linear.weight.dtype)
+        bias = None if linear.bias is None else (linear.bias.float() * scale).to(linear.bias.dtype)
     return weight, bias
 
 
@@ -422,23 +519,46 @@ class _Pass:
             nodes.append(user)
             parts.append(_describe(user, prefix))
             user = _only_user(cur)
+        # linear: permutes (views) and per-feature scales; look is cur seen through the permutes not yet taken
+        look, axes, pending, scale = cur, None, [], None
+        layout = None  # axes at the last node taken: the permutation from the fused call's output to the chain's
+        while kind == "linear" and user is not None:
+            dims = _permute_dims(user, look)
+            if dims is not None and (axes is None or len(axes) == len(dims)):
+                axes = [(axes or list(range(len(dims))))[d] for d in dims]  # axes[i]: the linear's axis shown at i
+                pending.append(user)
+                look, user = user, _only_user(user)
+                continue
+            if _passes_through(user, look, modules):
+                pending.append(user)
+                look, user = user, _only_user(user)
+                continue
+            factor = None if m.training or self.autocast is not None else _scale_of(gm, user, look, m, axes)
+            if factor is None:
+                break
+            scale = factor if scale is None else scale * factor
+            nodes += pending + [user]
+            parts += [_describe(n, prefix) for n in pending + [user]]
+            pending, cur, layout = [], user, axes
+            look, user = user, _only_user(user)
         # residual add
-        if user is not None and (other := _residual_of(user, cur)) is not None:
+        if user is not None and (other := _residual_of(user, look)) is not None:
             if self.gemm_supports(kind, dtype, m, "identity", 1):
-                residual, cur = other, user
-                nodes.append(user)
-                parts.append(f"+ {other.name}")
-                user = _only_user(cur)
+                nodes += pending + [user]
+                parts += [_describe(n, prefix) for n in pending] + [f"+ {other.name}"]
+                residual, pending, cur, layout = other, [], user, axes
+                look, user = user, _only_user(user)
         # activation
-        if user is not None and (act := _activation_of(user, cur, modules)) is not None:
+        if user is not None and (act := _activation_of(user, look, modules)) is not None:
             if self.gemm_supports(kind, dtype, m, act[0], int(residual is not None)):
                 activation, clamp = act
-                nodes.append(user)
-                parts.append(_describe(user, prefix))
+                nodes += pending + [user]
+                parts += [_describe(n, prefix) for n in pending + [user]]
+                layout = axes
             else:
                 self.report.kept.append((_describe(user, prefix), f"the bundle has no {dtype} GEMM kernel computing "
                                                                   f"{act[0]}: stays PyTorch's"))
-        return self.replace(gm, nodes, parts, m, kind, bn, residual, activation, clamp, prefix)
+        return self.replace(gm, nodes, parts, m, kind, bn, residual, activation, clamp, prefix, scale, layout)
 
     def gemm_supports(self, kind: str, dtype: str, m: nn.Module, activation: str, residuals: int) -> bool:
         """Whether a linear's GEMM can take this epilogue (conv epilogues always can: see the module's doc)."""
@@ -450,7 +570,11 @@ class _Pass:
         except UnsupportedProblemError:
             return False
 
-    def replace(self, gm, nodes, parts, m, kind, bn, residual, activation, clamp, prefix) -> bool:
+    def replace(self, gm, nodes, parts, m, kind, bn, residual, activation, clamp, prefix, scale=None,
+                layout=None) -> bool:
+        """nodes[0] (the layer) to nodes[-1] as one fused module's call. scale: per output feature, folded into a
+        linear's weight and bias; layout: the permutation between the linear's output and the last node's
+        (FusedLinear's)."""
         if len(nodes) == 1:
             return False
         anchor, last = nodes[0], nodes[-1]
@@ -466,8 +590,14 @@ class _Pass:
             fused = FusedConv(m, weight, bias, handle=self.handle, residual=residual is not None,
                               activation=activation, clamp=clamp, folded_bn=bn is not None)
         else:
-            fused = FusedLinear(m, handle=self.handle, residual=residual is not None, activation=activation,
-                                clamp=clamp)
+            weight, bias = m.weight, m.bias
+            if scale is not None:
+                w, b = _fold_scale(m, scale)
+                grad = m.weight.requires_grad
+                weight = nn.Parameter(w, requires_grad=grad)
+                bias = None if b is None else nn.Parameter(b, requires_grad=grad)
+            fused = FusedLinear(m, weight, bias, handle=self.handle, residual=residual is not None,
+                                activation=activation, clamp=clamp, folded_scale=scale is not None, layout=layout)
         fused.train(m.training)
         gm.add_submodule(anchor.target, fused)  # in the layer's place: its name, and its parameters' names, stay
         with gm.graph.inserting_before(last):
@@ -476,8 +606,9 @@ class _Pass:
         last.replace_all_uses_with(new)
         for node in reversed(nodes):
             gm.graph.erase_node(node)
-        epilogue = " + ".join(["bias" + (" (batch norm folded)" if bn is not None else "")] * (
-            fused.bias is not None) + ["residual"] * (residual is not None)) or "none"
+        folded = " (batch norm folded)" if bn is not None else " (scale folded)" if scale is not None else ""
+        epilogue = " + ".join([f"bias{folded}"] * (fused.bias is not None) + ["residual"] * (residual is not None)) or (
+            "none" + folded)
         if activation != "identity":
             epilogue += f", {activation}" + (f"{tuple(clamp)}" if activation == "clamp" else "")
         self.report.fused.append(FusedLayer(_join(prefix, anchor.target), type(fused).__name__, parts, epilogue))

@@ -411,7 +411,7 @@ class CNBlock(nn.Module):
         self.dwconv = nn.Conv2d(c, c, 7, padding=3, groups=c)
         self.norm = nn.LayerNorm(c, eps=1e-6)
         self.pwconv1, self.act, self.pwconv2 = nn.Linear(c, 4 * c), nn.GELU(), nn.Linear(4 * c, c)
-        self.gamma = nn.Parameter(torch.full((c,), 0.5))
+        self.gamma = nn.Parameter(torch.rand(c) + 0.25)
 
     def forward(self, x):
         y = self.dwconv(x).permute(0, 2, 3, 1)
@@ -419,11 +419,49 @@ class CNBlock(nn.Module):
         return x + (self.gamma * y).permute(0, 3, 1, 2)
 
 
+def stochastic_depth(input, p: float, mode: str, training: bool = True):
+    """Stands for torchvision.ops.stochastic_depth (which fx keeps as a call): its input in eval mode."""
+    if not training or p == 0.0:
+        return input
+    raise NotImplementedError("these tests run it in eval mode")
+
+
+stochastic_depth.__module__ = "torchvision.ops.stochastic_depth"
+torch.fx.wrap("stochastic_depth")
+
+
+class Permute(nn.Module):  # as torchvision.ops.misc.Permute
+    def __init__(self, dims):
+        super().__init__()
+        self.dims = dims
+
+    def forward(self, x):
+        return torch.permute(x, self.dims)
+
+
+class TorchvisionCNBlock(nn.Module):
+    """torchvision's ConvNeXt block: permutes as modules, the layer scale (C, 1, 1) after the permute back, then
+    stochastic depth and an in-place residual add."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.block = nn.Sequential(nn.Conv2d(c, c, 7, padding=3, groups=c), Permute([0, 2, 3, 1]),
+                                   nn.LayerNorm(c, eps=1e-6), nn.Linear(c, 4 * c), nn.GELU(), nn.Linear(4 * c, c),
+                                   Permute([0, 3, 1, 2]))
+        self.layer_scale = nn.Parameter(torch.rand(c, 1, 1) + 0.25)
+
+    def forward(self, input):
+        result = self.layer_scale * self.block(input)
+        result = stochastic_depth(result, 0.1, "row", self.training)
+        result += input
+        return result
+
+
 class TinyConvNeXt(nn.Module):
     def __init__(self):
         super().__init__()
         self.stem = nn.Conv2d(3, 8, 4, stride=4)
-        self.blocks = nn.Sequential(CNBlock(8), CNBlock(8))
+        self.blocks = nn.Sequential(CNBlock(8), CNBlock(8), TorchvisionCNBlock(8))
         self.head = nn.Linear(8, 4)
 
     def forward(self, x):
@@ -501,16 +539,71 @@ def test_fuse_mobilenet_inverted_residuals_in_eval_mode(reg):
 
 
 def test_fuse_convnext_blocks_linear_gelu(reg):
+    """linear -> GELU, and linear -> layer scale -> permute -> + residual with the scale folded: in both the
+    block written as the test's CNBlock and as torchvision's (permute modules, a (C, 1, 1) scale after the permute,
+    stochastic depth, an in-place add); channels-first and channels-last inputs (the residual a strided view, or
+    a dense one); eval mode with gradients; a model fused in training mode keeps its scales."""
     model = make(TinyConvNeXt).eval()
+    twin = copy.deepcopy(model)
     x = rand(2, 3, 16, 16, seed=22)
     fused, report = tdt.fuse(model, reg)
     parts = _fused_parts(report)
-    assert set(parts) == {"blocks.0.pwconv1", "blocks.1.pwconv1"}
+    assert set(parts) == {"blocks.0.pwconv1", "blocks.0.pwconv2", "blocks.1.pwconv1", "blocks.1.pwconv2",
+                          "blocks.2.block.3", "blocks.2.block.5"}
     assert parts["blocks.0.pwconv1"] == ("FusedLinear", ["blocks.0.pwconv1", "blocks.0.act"], "bias, gelu_erf")
+    assert parts["blocks.0.pwconv2"] == ("FusedLinear", ["blocks.0.pwconv2", "mul (mul)", "permute (permute_1)", "+"],
+                                         "bias (scale folded) + residual")
+    assert parts["blocks.2.block.5"] == ("FusedLinear", ["blocks.2.block.5", "permute (permute_5)", "mul (mul_2)",
+                                                         "stochastic_depth (stochastic_depth)", "+"],
+                                         "bias (scale folded) + residual")
     patched = {r.name for r in report.patch.patched}
-    assert {"stem", "blocks.0.dwconv", "blocks.0.pwconv2", "head"} <= patched and not report.patch.unsupported
+    assert {"stem", "blocks.0.dwconv", "head"} <= patched and not report.patch.unsupported
     with torch.no_grad():
         assert rel_err(fused(x), model(x)) < MODEL_TOL
+        dense = x.contiguous(memory_format=torch.channels_last)
+        assert rel_err(fused(dense), model(dense)) < MODEL_TOL
+    xs, xr = leaf(x), leaf(x)
+    fused(xs).square().sum().backward()
+    twin(xr).square().sum().backward()
+    assert rel_err(xs.grad, xr.grad) < GRAD_TOL
+    fused.train()
+    with pytest.raises(RuntimeError, match="scale folded"):
+        fused(x)
+    training, report = tdt.fuse(make(TinyConvNeXt).train(), reg)
+    assert {f.name for f in report.fused} == {"blocks.0.pwconv1", "blocks.1.pwconv1", "blocks.2.block.3"}
+
+
+class Scaled(nn.Module):
+    """A linear whose output is multiplied by a tensor of the model along one axis or another (then a residual of
+    the model's added, where one is given: a broadcast add)."""
+
+    def __init__(self, scale_shape, dims=None, residual_shape=None):
+        super().__init__()
+        self.linear, self.dims = nn.Linear(6, 5), dims
+        self.s = nn.Parameter(torch.rand(scale_shape) + 0.5)
+        self.r = None if residual_shape is None else nn.Parameter(torch.rand(residual_shape))
+
+    def forward(self, x):
+        y = self.linear(x)
+        y = (y if self.dims is None else y.permute(*self.dims)) * self.s
+        return y if self.r is None else y + self.r
+
+
+@pytest.mark.parametrize("shape, dims, residual, folds", [
+    ((5,), None, None, True), ((5, 1), (0, 2, 1), None, True), ((5,), (0, 2, 1), None, False),
+    ((1, 5), None, None, False), ((1,), None, None, False), ((5, 1), (0, 2, 1), (5, 1), True),
+    ((5, 1), (0, 2, 1), (1, 5, 1), True)])
+def test_a_scale_folds_only_along_the_output_features(reg, shape, dims, residual, folds):
+    """(5,) on the features (last), (5, 1) on the features moved to the middle: folded. (5,) after that permute
+    scales the other axis, (1, 5) would broadcast to another rank, (1,) is one value: left to torch. A residual of
+    another rank or shape after the permute is added by torch, in the chain's layout."""
+    model = Scaled(shape, dims, residual).eval()
+    x = rand(2, 5, 6, seed=23)  # as many rows as features: a scale along either axis broadcasts
+    fused, report = tdt.fuse(model, reg)
+    assert bool(report.fused) == folds
+    with torch.no_grad():
+        out, ref = fused(x), model(x)
+    assert out.shape == ref.shape and rel_err(out, ref) < MODEL_TOL
 
 
 def test_fuse_keeps_an_activation_the_bundle_has_no_gemm_kernel_for(reg):
