@@ -12,7 +12,7 @@ directory (the kernels it finished stay built; none is compiled twice), so its c
 attempts; exit 3 until every set is done. The JSON is rewritten after each attempt. Run it on the GPU machine (16
 cores) after `source bench/gpu_env.sh && td_setup` (nvcc and the CUTLASS headers); it needs no GPU.
 table: rewrites the table between the markers of preselected/README.md from the sets (counts) and the results
-(cold times); tests/test_suites.py checks that the README holds what this writes.
+(cold times); tests/integration/test_suites.py checks that the README holds what this writes.
 """
 from __future__ import annotations
 
