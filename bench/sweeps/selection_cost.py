@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO / "runtime"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tiledispatch as td  # noqa: E402
-from tiledispatch import learned, selection  # noqa: E402
+from tiledispatch import learned  # noqa: E402
 from tiledispatch.ops.conv import ConvProblem  # noqa: E402
 
 SHIPPED_MODELS = learned.MODELS_DIR  # main() points MODELS_DIR at the synthetic model's folder

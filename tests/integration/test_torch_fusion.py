@@ -569,7 +569,7 @@ def test_fuse_convnext_blocks_linear_gelu(reg):
     fused.train()
     with pytest.raises(RuntimeError, match="scale folded"):
         fused(x)
-    training, report = tdt.fuse(make(TinyConvNeXt).train(), reg)
+    _, report = tdt.fuse(make(TinyConvNeXt).train(), reg)
     assert {f.name for f in report.fused} == {"blocks.0.pwconv1", "blocks.1.pwconv1", "blocks.2.block.3"}
 
 

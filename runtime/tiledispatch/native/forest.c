@@ -73,14 +73,14 @@ static int64_t below(const double *thresholds, int64_t count, double value) {
                 for (int64_t t = 0; t < trees; ++t)                                                               \
                     a[t] &= m[t];                                                                                 \
             }                                                                                                     \
-            if (out) { /* four sums: one would wait on each addition before the next */                          \
-                double sum[4] = {0.0, 0.0, 0.0, 0.0};                                                             \
+            if (out) {                                                                                            \
+                double sum = 0.0;                                                                                 \
                 for (int64_t t = 0; t < trees; ++t) {                                                             \
                     if (!a[t])                                                                                    \
                         return -1;                                                                                \
-                    sum[t & 3] += leaf_values[t * width + LOWEST(a[t])];                                          \
+                    sum += leaf_values[t * width + LOWEST(a[t])];                                                 \
                 }                                                                                                 \
-                out[r] = (sum[0] + sum[1]) + (sum[2] + sum[3]);                                                   \
+                out[r] = sum;                                                                                     \
             }                                                                                                     \
         }                                                                                                         \
         return 0;                                                                                                 \
