@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _gpu_common as gc  # noqa: E402
 import models  # noqa: E402
 from models import rel_err  # noqa: E402
-from stem_probe import graph_ms, setup  # noqa: E402
+from stem_probe import graph_ms, setup, time_kernels  # noqa: E402
 import tiledispatch as td  # noqa: E402
 import tiledispatch.torch as tdt  # noqa: E402
 from tiledispatch.ops.conv import ConvProblem  # noqa: E402
@@ -88,21 +88,14 @@ def main() -> None:
                                "kernel": reg.select(problem).name}
         except td.TileDispatchError as e:
             row["selected"] = {"error": f"{type(e).__name__}: {e}"[:300]}
-        for kernel in () if a.selected_only else reg.kernels:
-            out = tdt._channels_last(gc.poisoned(tuple(ref.shape), "fp16"))
-            try:
-                run(kernel.name, out)
-                torch.cuda.synchronize()
-            except td.TileDispatchError:
-                continue  # not a kernel for this layer (direction, filter size, channels per group)
-            row["kernels"][kernel.name] = {"ms": graph_ms(lambda k=kernel.name, o=out: run(k, o), TIMER),
-                                           "rel_err": rel_err(out, ref)}
-        best = min(row["kernels"].items(), key=lambda kv: kv[1]["ms"], default=(None, {}))
-        row["best_kernel"] = best[0]
+        row["kernels"], row["best_kernel"] = time_kernels(
+            () if a.selected_only else reg.kernels, run,
+            lambda: tdt._channels_last(gc.poisoned(tuple(ref.shape), "fp16")), ref, TIMER)
         results["layers"][ly["id"]] = row
         sel = row["selected"].get("ms", math.nan)
+        best = row["kernels"].get(row["best_kernel"], {}).get("ms", math.nan)
         print(f"{ly['id']:52s} cuDNN {row['cudnn_ms'] * 1e3:7.1f} us  selected {sel * 1e3:7.1f}  best "
-              f"{best[1].get('ms', math.nan) * 1e3:7.1f} ({(best[0] or '-')[:60]})", flush=True)
+              f"{best * 1e3:7.1f} ({(row['best_kernel'] or '-')[:60]})", flush=True)
         # after every layer, so that a run cut short keeps its rows
         gc.write_results(results, a.out, f"depthwise_probe_{a.direction}")
 

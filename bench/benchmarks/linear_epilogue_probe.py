@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _gpu_common as gc  # noqa: E402
 import models  # noqa: E402
 from models import rel_err  # noqa: E402
-from stem_probe import graph_ms, setup  # noqa: E402
+from stem_probe import graph_ms, setup, time_kernels  # noqa: E402
 import tiledispatch as td  # noqa: E402
 import tiledispatch.torch as tdt  # noqa: E402
 
@@ -62,7 +62,7 @@ def main() -> None:
         for label, activation in EPILOGUES.items():
             act = (lambda y: y) if activation == "identity" else F.gelu
             ref = act(F.linear(x.float(), w.float(), bias.float()))
-            row = {"m": m, "n": n, "k": k, "epilogue": label, "kernels": {},
+            row = {"m": m, "n": n, "k": k, "epilogue": label,
                    "cublas_ms": graph_ms(lambda: act(F.linear(x, w, bias)), TIMER)}
             operator_out = tdt.linear(x, w, bias, registry=reg, activation=activation)
             row["operator"] = {"ms": graph_ms(lambda: tdt.linear(x, w, bias, registry=reg, activation=activation),
@@ -71,28 +71,20 @@ def main() -> None:
             def run(kernel, out):
                 reg.gemm(x, w.t(), out=out, bias=bias, activation=activation, kernel=kernel)
 
-            for kernel in [None, *reg.kernels]:
-                out = gc.poisoned((m, n), "fp16")
-                try:
-                    run(None if kernel is None else kernel.name, out)
-                    torch.cuda.synchronize()
-                except td.TileDispatchError as e:
-                    if kernel is None:
-                        row["selected"] = {"error": f"{type(e).__name__}: {e}"[:300]}
-                    continue  # not a kernel for this GEMM (op, epilogue, alignment)
-                timed = {"ms": graph_ms(lambda k=kernel, o=out: run(None if k is None else k.name, o), TIMER),
-                         "rel_err": rel_err(out, ref)}
-                if kernel is None:
-                    row["selected"] = timed
-                else:
-                    row["kernels"][kernel.name] = timed
-            best = min(row["kernels"].items(), key=lambda kv: kv[1]["ms"], default=(None, {}))
-            row["best_kernel"] = best[0]
+            out = gc.poisoned((m, n), "fp16")
+            try:
+                run(None, out)
+                row["selected"] = {"ms": graph_ms(lambda: run(None, out), TIMER), "rel_err": rel_err(out, ref)}
+            except td.TileDispatchError as e:
+                row["selected"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            row["kernels"], row["best_kernel"] = time_kernels(reg.kernels, run, lambda: gc.poisoned((m, n), "fp16"),
+                                                              ref, TIMER)
             results["layers"][f"{m}x{n}x{k} {label}"] = row
-            selected = row.get("selected", {}).get("ms", math.nan)
+            selected = row["selected"].get("ms", math.nan)
+            best = row["kernels"].get(row["best_kernel"], {}).get("ms", math.nan)
             print(f"{m:7d}x{n:5d}x{k:5d} {label:9s} cuBLAS {row['cublas_ms'] * 1e3:7.1f} us  operator "
                   f"{row['operator']['ms'] * 1e3:7.1f}  selected {selected * 1e3:7.1f}"
-                  f"  best {best[1].get('ms', math.nan) * 1e3:7.1f} ({(best[0] or '-')[:80]})", flush=True)
+                  f"  best {best * 1e3:7.1f} ({(row['best_kernel'] or '-')[:80]})", flush=True)
             gc.write_results(results, a.out, "linear_epilogue_probe")
 
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _gpu_common as gc  # noqa: E402
 import models  # noqa: E402
 from models import rel_err  # noqa: E402
-from stem_probe import graph_ms, setup  # noqa: E402
+from stem_probe import graph_ms, setup, time_kernels  # noqa: E402
 import tiledispatch as td  # noqa: E402
 from tiledispatch.ops import gemm as gemm_op  # noqa: E402
 
@@ -79,22 +79,13 @@ def main() -> None:
                                "kernel": reg.select(problem, operands=operands).name}
         except td.TileDispatchError as e:
             row["selected"] = {"error": f"{type(e).__name__}: {e}"[:300]}
-        for kernel in () if a.selected_only else reg.kernels:
-            out = gc.poisoned((m, n), "fp16")
-            try:
-                run(kernel.name, out)
-                torch.cuda.synchronize()
-            except td.TileDispatchError:
-                continue  # not a kernel for this GEMM (op, epilogue, alignment)
-            row["kernels"][kernel.name] = {"ms": graph_ms(lambda k=kernel.name, o=out: run(k, o), TIMER),
-                                           "rel_err": rel_err(out, ref)}
-        best = min(row["kernels"].items(), key=lambda kv: kv[1]["ms"], default=(None, {}))
-        row["best_kernel"] = best[0]
+        row["kernels"], row["best_kernel"] = time_kernels(() if a.selected_only else reg.kernels, run,
+                                                          lambda: gc.poisoned((m, n), "fp16"), ref, TIMER)
         results["gemms"][f"{m}x{n}x{k}"] = row
         sel = row["selected"].get("ms", math.nan)
+        best = row["kernels"].get(row["best_kernel"], {}).get("ms", math.nan)
         print(f"{m:7d}x{n:4d}x{k:4d}  cuDNN {row['cudnn_ms'] * 1e3:7.1f} us  cuBLAS {row['cublas_ms'] * 1e3:7.1f}  "
-              f"selected {sel * 1e3:7.1f}  best {best[1].get('ms', math.nan) * 1e3:7.1f} ({(best[0] or '-')[:70]})",
-              flush=True)
+              f"selected {sel * 1e3:7.1f}  best {best * 1e3:7.1f} ({(row['best_kernel'] or '-')[:70]})", flush=True)
         gc.write_results(results, a.out, "pointwise_probe")  # after every GEMM: a run cut short keeps its rows
 
 

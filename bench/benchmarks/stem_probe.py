@@ -36,6 +36,23 @@ def graph_ms(fn, timer: models.Timer = TIMER) -> float:
     return timer(models.runner(fn, "cuda", True, warmup=2))["median_ms"]
 
 
+def time_kernels(kernels, run, new_out, ref, timer: models.Timer = TIMER) -> tuple[dict, object]:
+    """({kernel name: {"ms" in a CUDA graph, "rel_err" against ref}}, the fastest one's name or None) for each of
+    the kernels that runs the call: run(kernel name, out) launches it into out, new_out() gives a poisoned output;
+    a kernel that refuses the call (another direction, epilogue, filter size, alignment) is left out."""
+    timed = {}
+    for kernel in kernels:
+        out = new_out()
+        try:
+            run(kernel.name, out)
+            torch.cuda.synchronize()
+        except td.TileDispatchError:
+            continue
+        timed[kernel.name] = {"ms": graph_ms(lambda k=kernel.name, o=out: run(k, o), timer),
+                              "rel_err": models.rel_err(out, ref)}
+    return timed, min(timed, key=lambda name: timed[name]["ms"], default=None)
+
+
 def setup(doc: str, table: str, options: dict = None):
     """A probe's command line (--bundle, --out, and `options`: flag -> add_argument's keywords), cuDNN in benchmark
     mode, the bundle loaded, a seeded CUDA generator and the results dict (machine, versions, an empty `table`)."""

@@ -193,7 +193,10 @@ def _distinct_rows(at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 class _Compiled(NamedTuple):
     """An ensemble's leaf masks as the native evaluator (native/forest.c) takes them."""
     function: object         # td_forest_u32 or td_forest_u64
-    static: tuple            # trees, width, then the tables' pointers: base, first, count, thresholds, stack, leaves
+    trees: int
+    width: int               # leaves per tree in leaf_values
+    tables: tuple            # pointers to per feature base, first, count; thresholds; stack (forest.c's order)
+    leaves: int              # pointer to leaf_values
     arrays: tuple            # the arrays behind those pointers, kept alive with them
     columns: dict            # frozenset of row columns -> the other features' indices (int64), made once each
 
@@ -296,11 +299,7 @@ class TreeEnsemble:
         if kept is None and rows_token is not None:
             mine = sorted(row_columns & self._masks.tables.keys())
             if mine and not (x[:, mine] == x[0, mine]).all():  # as the numpy path: kept where a row column varies
-                kept = np.empty((x.shape[0], len(self.roots)), dtype=self._masks.bits.type)
-                self._run_compiled(x, np.array(mine, dtype=np.int64), None, kept, None)
-                self._row_masks[rows_token] = kept
-                if len(self._row_masks) > 64:
-                    self._row_masks.popitem(last=False)
+                kept = self._keep_row_masks(x, rows_token, row_columns)
         searched = frozenset() if kept is None else row_columns
         columns = compiled.columns.get(searched)
         if columns is None:
@@ -312,12 +311,12 @@ class TreeEnsemble:
 
     def _run_compiled(self, x: np.ndarray, columns: np.ndarray, start, masks_out, out) -> None:
         compiled = self._compiled
-        trees = compiled.static[0]
+        trees = compiled.trees
         scratch = np.empty(2 * trees, dtype=self._masks.bits.type)  # forest.c's shared and alive
         varying = np.empty(max(len(columns), 1), dtype=np.int64)
         status = compiled.function(
-            x.shape[0], trees, compiled.static[1], x.ctypes.data, x.shape[1], len(columns), columns.ctypes.data,
-            *compiled.static[2:7], None if start is None else start.ctypes.data, trees, compiled.static[7],
+            x.shape[0], trees, compiled.width, x.ctypes.data, x.shape[1], len(columns), columns.ctypes.data,
+            *compiled.tables, None if start is None else start.ctypes.data, trees, compiled.leaves,
             scratch.ctypes.data, scratch[trees:].ctypes.data, varying.ctypes.data,
             None if masks_out is None else masks_out.ctypes.data, None if out is None else out.ctypes.data)
         if status != 0:
@@ -339,18 +338,23 @@ class TreeEnsemble:
             at += len(thresholds)
         thresholds = np.concatenate([t for t, _ in masks.tables.values()] or [np.zeros(0)]).astype(np.float64)
         stack, leaves = np.ascontiguousarray(masks.stack), np.ascontiguousarray(masks.leaf_values, dtype=np.float64)
-        arrays = (base, first, count, thresholds, stack, leaves)
+        tables = (base, first, count, thresholds, stack)
         function = library.td_forest_u32 if masks.bits is _MASK_32 else library.td_forest_u64
-        return _Compiled(function, (len(self.roots), len(leaves) // max(len(self.roots), 1),
-                                    *(a.ctypes.data for a in arrays)), arrays, {})
+        return _Compiled(function, len(self.roots), len(leaves) // max(len(self.roots), 1),
+                         tuple(a.ctypes.data for a in tables), leaves.ctypes.data, (*tables, leaves), {})
 
     def _keep_row_masks(self, x: np.ndarray, rows_token, row_columns: frozenset) -> np.ndarray:
         """[row, tree]: what the row_columns leave of each tree's leaves, kept for the token (the most recent 64)."""
         tables, bits = self._masks.tables, self._masks.bits
-        alive = np.full((x.shape[0], len(self.roots)), ~bits.type(0))
-        for f in sorted(row_columns & tables.keys()):
-            thresholds, table = tables[f]
-            alive &= table[np.searchsorted(thresholds, x[:, f], side="left")]
+        mine = sorted(row_columns & tables.keys())
+        if self._compiled is not None:
+            alive = np.empty((x.shape[0], len(self.roots)), dtype=bits.type)
+            self._run_compiled(x, np.array(mine, dtype=np.int64), None, alive, None)
+        else:
+            alive = np.full((x.shape[0], len(self.roots)), ~bits.type(0))
+            for f in mine:
+                thresholds, table = tables[f]
+                alive &= table[np.searchsorted(thresholds, x[:, f], side="left")]
         self._row_masks[rows_token] = alive
         if len(self._row_masks) > 64:
             self._row_masks.popitem(last=False)

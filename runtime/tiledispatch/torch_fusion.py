@@ -342,7 +342,7 @@ def _scale_of(gm: fx.GraphModule, node: fx.Node, cur: fx.Node, linear: nn.Module
     if not isinstance(other, fx.Node) or other.op != "get_attr":
         return None
     try:
-        t = _attr(gm, other.target)
+        t = operator.attrgetter(other.target)(gm)
     except AttributeError:
         return None
     features = linear.out_features
@@ -354,13 +354,6 @@ def _scale_of(gm: fx.GraphModule, node: fx.Node, cur: fx.Node, linear: nn.Module
     if t.dim() > rank or shape != [features if i == where else 1 for i in range(rank)]:
         return None
     return t.detach().float().reshape(features)
-
-
-def _attr(gm: fx.GraphModule, target: str):
-    obj = gm
-    for name in target.split("."):
-        obj = getattr(obj, name)
-    return obj
 
 
 def _describe(node: fx.Node, prefix: str) -> str:
@@ -519,17 +512,21 @@ class _Pass:
             nodes.append(user)
             parts.append(_describe(user, prefix))
             user = _only_user(cur)
-        # linear: permutes (views) and per-feature scales; look is cur seen through the permutes not yet taken
+        # linear: permutes (views) and per-feature scales; look: the last node seen, taken or pending
         look, axes, pending, scale = cur, None, [], None
         layout = None  # axes at the last node taken: the permutation from the fused call's output to the chain's
+
+        def take(node: fx.Node, part: str) -> None:  # node joins the chain, with the permutes passed before it
+            nodes.extend(pending + [node])
+            parts.extend([_describe(n, prefix) for n in pending] + [part])
+            pending.clear()
+
         while kind == "linear" and user is not None:
             dims = _permute_dims(user, look)
-            if dims is not None and (axes is None or len(axes) == len(dims)):
-                axes = [(axes or list(range(len(dims))))[d] for d in dims]  # axes[i]: the linear's axis shown at i
-                pending.append(user)
-                look, user = user, _only_user(user)
-                continue
-            if _passes_through(user, look, modules):
+            permutes = dims is not None and (axes is None or len(axes) == len(dims))
+            if permutes or _passes_through(user, look, modules):
+                if permutes:
+                    axes = [(axes or list(range(len(dims))))[d] for d in dims]  # axes[i]: the linear's axis at i
                 pending.append(user)
                 look, user = user, _only_user(user)
                 continue
@@ -537,23 +534,20 @@ class _Pass:
             if factor is None:
                 break
             scale = factor if scale is None else scale * factor
-            nodes += pending + [user]
-            parts += [_describe(n, prefix) for n in pending + [user]]
-            pending, cur, layout = [], user, axes
+            take(user, _describe(user, prefix))
+            layout = axes
             look, user = user, _only_user(user)
         # residual add
         if user is not None and (other := _residual_of(user, look)) is not None:
             if self.gemm_supports(kind, dtype, m, "identity", 1):
-                nodes += pending + [user]
-                parts += [_describe(n, prefix) for n in pending] + [f"+ {other.name}"]
-                residual, pending, cur, layout = other, [], user, axes
+                take(user, f"+ {other.name}")
+                residual, layout = other, axes
                 look, user = user, _only_user(user)
         # activation
         if user is not None and (act := _activation_of(user, look, modules)) is not None:
             if self.gemm_supports(kind, dtype, m, act[0], int(residual is not None)):
                 activation, clamp = act
-                nodes += pending + [user]
-                parts += [_describe(n, prefix) for n in pending + [user]]
+                take(user, _describe(user, prefix))
                 layout = axes
             else:
                 self.report.kept.append((_describe(user, prefix), f"the bundle has no {dtype} GEMM kernel computing "
