@@ -61,13 +61,39 @@ def task_of(key) -> str:
     return sig.op if sig.op != "conv" else f"conv_{sig.direction}"
 
 
-def _key_columns(keys) -> dict:
+class _KernelBlock(NamedTuple):
+    """What a list of kernels alone decides of their features (_kernel_block): the feature matrix with the
+    kernel-only columns (KERNEL_FEATURES) filled, and the per-key statics the other columns are computed from,
+    as floats."""
+    template: np.ndarray
+    tm: np.ndarray
+    tn: np.ndarray
+    tk: np.ndarray
+    cm: np.ndarray
+    cn: np.ndarray
+    split_k: np.ndarray
+    units: np.ndarray
+    slots: np.ndarray  # units x resident CTAs
+
+
+def _kernel_block(op: str, keys, s) -> _KernelBlock:
     alg = [key.algorithm for key in keys]
     col = lambda f: np.array([f(a) for a in alg], dtype=np.float64)  # noqa: E731
-    return {"mma_m": col(lambda a: a.mma[0]), "mma_n": col(lambda a: a.mma[1]), "mma_k": col(lambda a: a.mma[2]),
-            "warps": col(lambda a: a.warps[0] * a.warps[1] * a.warps[2]), "stages": col(lambda a: a.stages),
-            "cooperative": col(lambda a: a.pipeline.endswith("cooperative")),
-            "stream_k": col(lambda a: a.scheduler == "stream_k")}
+    f64 = lambda a: np.asarray(a, dtype=np.float64)  # noqa: E731
+    tm, tn, tk = f64(s.tm), f64(s.tn), f64(s.tk)
+    kernel = {"tile_m": tm, "tile_n": tn, "tile_k": tk, "cluster_m": f64(s.cm), "cluster_n": f64(s.cn),
+              "split_k": f64(s.split_k), "tile_intensity": tm * tn / (tm + tn),
+              "resident_ctas": f64(s.resident), "log2_cost_factor": np.log2(s.cost_factor),
+              "mma_m": col(lambda a: a.mma[0]), "mma_n": col(lambda a: a.mma[1]), "mma_k": col(lambda a: a.mma[2]),
+              "warps": col(lambda a: a.warps[0] * a.warps[1] * a.warps[2]), "stages": col(lambda a: a.stages),
+              "cooperative": col(lambda a: a.pipeline.endswith("cooperative")),
+              "stream_k": col(lambda a: a.scheduler == "stream_k")}
+    template = np.zeros((len(keys), len(FEATURES[op])))
+    for name in KERNEL_FEATURES.intersection(FEATURES[op]):
+        template[:, COLUMN[op][name]] = kernel[name]
+    units = f64(s.units)
+    return _KernelBlock(template, tm, tn, tk, kernel["cluster_m"], kernel["cluster_n"], kernel["split_k"], units,
+                        units * kernel["resident_ctas"])
 
 
 def features(problem, keys, names=None) -> np.ndarray:
@@ -78,55 +104,55 @@ def features(problem, keys, names=None) -> np.ndarray:
 
     keys = list(keys)
     t = cost_terms(problem, keys, names)
-    s = t["static"]
-    token = ("features", names if names is not None else tuple(keys))
-    kc = _memo(_KEY_COLUMNS, token, lambda: _key_columns(keys))
+    op = problem.op
+    b = _memo(_KEY_COLUMNS, (op, names if names is not None else tuple(keys)),
+              lambda: _kernel_block(op, keys, t["static"]))
     f64 = lambda a: np.asarray(a, dtype=np.float64)  # noqa: E731
     m, n, k, batch = (f64(t[c]) for c in ("m", "n", "k", "batch"))
-    tm, tn, tk = f64(s.tm), f64(s.tn), f64(s.tk)
     tiles_m, tiles_n = f64(t["tiles_m"]), f64(t["tiles_n"])
-    units = f64(s.units)
-    cols = {"tile_m": tm, "tile_n": tn, "tile_k": tk, "cluster_m": f64(s.cm), "cluster_n": f64(s.cn),
-            "split_k": f64(s.split_k), "tile_intensity": tm * tn / (tm + tn), "log2_analytic_cost": np.log2(t["cost"]),
-            "log2_m": np.log2(m), "log2_n": np.log2(n), "log2_k": np.log2(k),
-            "edge_fill_m": m / (tiles_m * tm), "edge_fill_n": n / (tiles_n * tn),
-            "edge_fill": m * n / (tiles_m * tm * tiles_n * tn), **kc}
-    if problem.op == "gemm":  # the shipped GEMM model's definitions: the key's split_k, no cluster rounding
-        tiles = tiles_m * tiles_n * batch * cols["split_k"]
-        waves = tiles / units
-        k_iters = np.ceil(np.ceil(k / cols["split_k"]) / tk)
-        cluster_tiles = np.ceil(tiles_m / cols["cluster_m"]) * cols["cluster_m"] * np.ceil(
-            tiles_n / cols["cluster_n"]) * cols["cluster_n"] * batch * cols["split_k"]
+    cols = {"log2_analytic_cost": np.log2(t["cost"]), "log2_m": np.log2(m), "log2_n": np.log2(n),
+            "log2_k": np.log2(k), "edge_fill_m": m / (tiles_m * b.tm), "edge_fill_n": n / (tiles_n * b.tn),
+            "edge_fill": m * n / (tiles_m * b.tm * tiles_n * b.tn)}
+    if op == "gemm":  # the shipped GEMM model's definitions: the key's split_k, no cluster rounding
+        tiles = tiles_m * tiles_n * batch * b.split_k
+        waves = tiles / b.units
+        k_iters = np.ceil(np.ceil(k / b.split_k) / b.tk)
+        cluster_tiles = np.ceil(tiles_m / b.cm) * b.cm * np.ceil(tiles_n / b.cn) * b.cn * batch * b.split_k
         cols.update({"log2_mnk": np.log2(m * n * k), "log2_batch": np.log2(batch), "tiles": tiles,
                      "log2_tiles": np.log2(tiles), "waves": waves,
-                     "last_wave_fill": tiles / (np.ceil(waves) * units), "k_iterations": k_iters,
+                     "last_wave_fill": tiles / (np.ceil(waves) * b.units), "k_iterations": k_iters,
                      "log2_k_iterations": np.log2(k_iters), "cluster_tiles_idle": (cluster_tiles - tiles) / cluster_tiles})
+        out = b.template.copy()
     else:
-        p = problem
-        cg, kg, taps = p.c // p.g, p.k // p.g, math.prod(p.filter_size)
-        pointwise = taps == 1 and set(p.stride) == {1} and not any(p.pad_lo) and not any(p.pad_hi)
         tiles = f64(t["output_tiles"] * t["split"])
-        slots = units * f64(s.resident)
-        waves = tiles / slots
-        cols.update({  # the problem's own columns as scalars: the copy into out broadcasts them
-            "log2_batch_n": math.log2(p.n), "log2_groups": math.log2(p.g),
-            "log2_c_per_group": math.log2(cg), "log2_k_per_group": math.log2(kg),
-            "spatial_dims": p.spatial_dims, "log2_in_pixels": math.log2(math.prod(p.in_size)),
-            "log2_out_pixels": math.log2(math.prod(p.out_size)), "log2_taps": math.log2(taps),
-            "stride": max(p.stride), "dilation": max(p.dilation),
-            "log2_problem_flops": math.log2(p.flops()), "depthwise": float(cg == 1 and kg == 1),
-            "log2_c_align": math.log2(min(ALIGN_CAP, cg & -cg)), "log2_k_align": math.log2(min(ALIGN_CAP, kg & -kg)),
-            "pointwise": float(pointwise), "resident_ctas": f64(s.resident), "log2_cost_factor": np.log2(s.cost_factor),
-            "log2_view_batch": np.log2(batch), "lanes": f64((batch == 1) & (p.g > 1)), "log2_tiles": np.log2(tiles),
-            "runtime_split": f64(t["runtime_split"]), "waves": waves,
-            "last_wave_fill": tiles / (np.ceil(waves) * slots),
-            "log2_k_iterations": np.log2(np.ceil(np.ceil(k / f64(t["split"])) / tk)),
-            "persistent_partials": f64(~np.isnan(t["partials_steps"]))})
-    out = np.empty((len(keys), len(FEATURES[problem.op])))
-    # column by column, a scalar filling its whole column: cheaper than np.column_stack's copies
-    for i, name in enumerate(FEATURES[problem.op]):
-        out[:, i] = cols[name]
+        waves = tiles / b.slots
+        cols.update({"log2_view_batch": np.log2(batch), "lanes": f64((batch == 1) & (problem.g > 1)),
+                     "log2_tiles": np.log2(tiles), "runtime_split": f64(t["runtime_split"]), "waves": waves,
+                     "last_wave_fill": tiles / (np.ceil(waves) * b.slots),
+                     "log2_k_iterations": np.log2(np.ceil(np.ceil(k / f64(t["split"])) / b.tk)),
+                     "persistent_partials": f64(~np.isnan(t["partials_steps"]))})
+        out = b.template.copy()
+        out[:, _CONV_PROBLEM_COLUMNS] = _conv_problem_columns(problem)  # one row, broadcast
+    for name, value in cols.items():
+        out[:, COLUMN[op][name]] = value
     return out
+
+
+# the conv features of the problem alone, in this order (_conv_problem_columns)
+_CONV_PROBLEM = ("log2_batch_n", "log2_groups", "log2_c_per_group", "log2_k_per_group", "spatial_dims",
+                 "log2_in_pixels", "log2_out_pixels", "log2_taps", "stride", "dilation", "log2_problem_flops",
+                 "depthwise", "pointwise", "log2_c_align", "log2_k_align")
+COLUMN = {op: {name: i for i, name in enumerate(names)} for op, names in FEATURES.items()}
+_CONV_PROBLEM_COLUMNS = np.array([COLUMN["conv"][name] for name in _CONV_PROBLEM])
+
+
+def _conv_problem_columns(p) -> list[float]:
+    cg, kg, taps = p.c // p.g, p.k // p.g, math.prod(p.filter_size)
+    pointwise = taps == 1 and set(p.stride) == {1} and not any(p.pad_lo) and not any(p.pad_hi)
+    return [math.log2(p.n), math.log2(p.g), math.log2(cg), math.log2(kg), p.spatial_dims,
+            math.log2(math.prod(p.in_size)), math.log2(math.prod(p.out_size)), math.log2(taps), max(p.stride),
+            max(p.dilation), math.log2(p.flops()), float(cg == 1 and kg == 1), float(pointwise),
+            math.log2(min(ALIGN_CAP, cg & -cg)), math.log2(min(ALIGN_CAP, kg & -kg))]
 
 
 _KEY_COLUMNS: OrderedDict = OrderedDict()
@@ -590,10 +616,13 @@ def split(problem, kernels, models: Optional[Path] = None) -> tuple[list, list]:
     """(the kernels a shipped model covers, the others). Where the model's domain holds a kernel its card says it
     was never trained on, it ranks none of them (its prediction for that kernel would be a guess, and the
     kernels it knows would all rank before it): the caller's analytic order takes them all."""
-    model = model_of(kernels, models)
+    return _split(model_of(kernels, models), kernels)
+
+
+def _split(model, kernels) -> tuple[list, list]:
     if model is None:
         return [], list(kernels)
-    token = (model.version, tuple(kern.name for kern in kernels))  # applies() and knows() read the keys alone
+    token = (model.version, _listed(kernels).names)  # applies() and knows() read the keys alone
     covers, every = _memo(_COVERS, token, lambda: _coverage(model, kernels))
     if every or not covers:
         return (list(kernels), []) if every else ([], list(kernels))
@@ -617,28 +646,58 @@ def _coverage(model, kernels) -> tuple[list, bool]:
 
 def scores(problem, kernels, models: Optional[Path] = None) -> Optional[np.ndarray]:
     """The model's prediction for each kernel, or None when no model covers every kernel (split)."""
-    covered, rest = split(problem, kernels, models)
+    model = model_of(kernels, models)
+    covered, rest = _split(model, kernels)
     if not covered or rest:
         return None
-    return model_of(kernels, models).predict(problem, [kern.key for kern in kernels],
-                                             tuple(kern.name for kern in kernels))
+    listed = _listed(kernels)
+    return model.predict(problem, listed.keys, listed.names)
 
 
-def rank(problem, kernels, *, covered: bool = False, models: Optional[Path] = None) -> Optional[list]:
+def rank(problem, kernels, models: Optional[Path] = None) -> Optional[list]:
     """Kernels sorted by the model's prediction, or None when no model covers every kernel (mixing
-    predictions with another ranker's estimates would compare unlike numbers). covered: the caller has
-    checked that the model covers them all (split). models: as model_for's."""
+    predictions with another ranker's estimates would compare unlike numbers). models: as model_for's."""
     if not kernels:
         return []
-    if covered:
-        predicted = model_of(kernels, models).predict(problem, [k.key for k in kernels],
-                                                      tuple(k.name for k in kernels))
-    else:
-        predicted = scores(problem, kernels, models)
-    if predicted is None:
-        return None
-    # Python floats, then the names (unique) on ties: tuples compared in C, cheaper than a key function
-    return [kern for _, _, kern in sorted(zip(predicted.tolist(), (k.name for k in kernels), kernels))]
+    model = model_of(kernels, models)
+    covered, rest = _split(model, kernels)
+    return _ordered(model, problem, kernels) if covered and not rest else None
+
+
+def order(problem, kernels, models: Optional[Path] = None) -> tuple[Optional[list], list]:
+    """(the kernels the model covers in its order, or None where it covers none; the others, as split gives
+    them): rank and split with one look for the model file, as selection.learned calls them on every first
+    select."""
+    model = model_of(kernels, models)
+    covered, rest = _split(model, kernels)
+    return (_ordered(model, problem, covered) if covered else None), rest
+
+
+def _ordered(model, problem, kernels) -> list:
+    listed = _listed(kernels)
+    predicted = model.predict(problem, listed.keys, listed.names)
+    # by score, then by name (unique) on ties: one sort in C over the names' precomputed places
+    return [kernels[i] for i in np.lexsort((listed.name_places, predicted)).tolist()]
+
+
+class _Listed(NamedTuple):
+    """What a list of kernels alone decides, made once per list (_listed)."""
+    names: tuple
+    keys: list
+    name_places: np.ndarray  # each kernel's place in the names' sorted order
+
+
+_LISTS: OrderedDict = OrderedDict()  # tuple of kernels -> _Listed, the most recent 64 lists
+
+
+def _listed(kernels) -> _Listed:
+    def make():
+        names = tuple(kern.name for kern in kernels)
+        places = np.empty(len(names), dtype=np.int64)
+        places[sorted(range(len(names)), key=names.__getitem__)] = np.arange(len(names))
+        return _Listed(names, [kern.key for kern in kernels], places)
+
+    return _memo(_LISTS, tuple(kernels), make)
 
 
 def describe(backend: str, arch: str, models: Optional[Path] = None) -> dict:

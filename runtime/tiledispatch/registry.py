@@ -81,6 +81,7 @@ class Registry:
         self._selections = BoundedCache(CACHE_SIZE)
         self._explained = BoundedCache(CACHE_SIZE)
         self._groups: Optional[tuple] = None  # (kernel count, _signature_groups)
+        self._matching_lists: dict = {}  # matching signatures -> their kernels (_matching)
         self._autotune = autotune
         self._tuning = tuning_cache or tuning.TuningCache(tuning.default_path())
         self._device_identity: Optional[str] = None
@@ -219,23 +220,39 @@ class Registry:
         why, or has the JIT add a kernel)."""
         if self._explained.get((problem, None if operands is None else operands.layout_key())) is not None:
             return None
-        per_signature = self._per_signature(problem, operands)
-        groups = self._signature_groups()
-        matching = [groups[sig] for sig, (reason, _) in per_signature.items() if reason is None]
-        # the bundle's order, as the candidates have it (each group is in that order)
-        matching = matching[0] if len(matching) == 1 else sorted(pair for group in matching for pair in group)
-        for kern in rank(problem, [kern for _, kern in matching]) if matching else ():
-            if kern.library.can_run(per_signature[kern.key.signature][1])[0] == abi.OK:
+        kernels = self._matching(problem)
+        make_args = ops_get(problem.op).make_args
+        args: dict = {}  # signature -> the ABI arguments (make_args), made for the signatures of kernels asked
+        for kern in rank(problem, list(kernels)) if kernels else ():
+            sig = kern.key.signature
+            sig_args = args.get(sig)
+            if sig_args is None:
+                sig_args = args[sig] = make_args(problem, kern.key, operands)
+            if kern.library.can_run(sig_args)[0] == abi.OK:
                 return kern
         return None
 
+    def _matching(self, problem) -> list[Kernel]:
+        """The kernels whose signature matches the problem (its mismatch), in the bundle's order: one list per
+        set of matching signatures, made once."""
+        groups = self._signature_groups()
+        matching = tuple(sig for sig, group in groups.items() if problem.mismatch(group[0][1].key) is None)
+        found = self._matching_lists.get(matching)
+        if found is None:
+            pairs = groups[matching[0]] if len(matching) == 1 else sorted(
+                pair for sig in matching for pair in groups[sig])
+            found = self._matching_lists[matching] = [kern for _, kern in pairs]
+        return found
+
     def _signature_groups(self) -> dict:
-        """signature -> [(index in self.kernels, kernel)], made again when kernels were added (the JIT appends)."""
+        """signature -> [(index in self.kernels, kernel)], made again (and the matching lists forgotten) when
+        kernels were added (the JIT appends)."""
         if self._groups is None or self._groups[0] != len(self.kernels):
             groups: dict = {}
             for i, kern in enumerate(self.kernels):
                 groups.setdefault(kern.key.signature, []).append((i, kern))
             self._groups = (len(self.kernels), groups)
+            self._matching_lists = {}
         return self._groups[1]
 
     def tune(self, problem, operands, *, top: int = TUNE_TOP, stream=None, num_threads: int = 0, **scalars) -> Kernel:

@@ -87,13 +87,18 @@ class _Static:
         for i, f in enumerate(fams):
             if f.gemm_view is not default["gemm_view"]:
                 views.setdefault((f.backend, f.name, f.view_key(keys[i])), []).append(i)
-        self.view_groups = list(views.values())
-        self.shared_view = [i for i, f in enumerate(fams) if f.gemm_view is default["gemm_view"]]
+        self.view_groups = [np.array(group) for group in views.values()]
+        self.shared_view = np.array([i for i, f in enumerate(fams) if f.gemm_view is default["gemm_view"]],
+                                    dtype=np.int64)
         self.own_split = [i for i, f in enumerate(fams) if f.runtime_split is not default["runtime_split"]]
         self.own_partials = [i for i, f in enumerate(fams) if f.partials_cost is not default["partials_cost"]]
         self.own_problem_factor = [i for i, f in enumerate(fams)
                                    if f.problem_factor is not default["problem_factor"]]
         self.families = fams
+        # what cost_terms returns where no key's family has its own partials cost / runtime split
+        self.no_partials, self.no_split = np.full(len(keys), np.nan), np.ones(len(keys), dtype=np.int64)
+        for constant in (self.no_partials, self.no_split, self.split_k):
+            constant.flags.writeable = False
 
 
 _STATICS: OrderedDict = OrderedDict()  # kernel names (or keys) -> _Static, the most recent 64 kernel lists
@@ -121,28 +126,32 @@ def cost_terms(problem, keys, names=None) -> dict:
     cache of what the keys alone decide)."""
     s = _static(keys, names)
     count = len(keys)
-    steps = np.full(count, np.nan)
-    for i in s.own_partials:
-        value = s.families[i].partials_cost(problem, keys[i])
-        if value is not None:
-            steps[i] = value
+    steps = s.no_partials  # read-only: made per problem below only where a family has its own
+    if s.own_partials:
+        steps = steps.copy()
+        for i in s.own_partials:
+            value = s.families[i].partials_cost(problem, keys[i])
+            if value is not None:
+                steps[i] = value
     view = np.ones((count, 4), dtype=np.int64)
-    if s.shared_view:
+    if len(s.shared_view):
         view[s.shared_view] = backends._DEFAULTS["gemm_view"](problem, keys[s.shared_view[0]])
     for group in s.view_groups:
         view[group] = s.families[group[0]].gemm_view(problem, keys[group[0]])
     m, n, k, batch = view.T
     tiles_m, tiles_n = _ceil_div(m, s.tm), _ceil_div(n, s.tn)
     output_tiles = _ceil_div(tiles_m, s.cm) * s.cm * _ceil_div(tiles_n, s.cn) * s.cn * batch
-    runtime = np.ones(count, dtype=np.int64)
-    for i in s.own_split:
-        runtime[i] = s.families[i].runtime_split(keys[i], int(output_tiles[i]), int(k[i]), int(s.units[i]))
-    split = s.split_k * runtime
+    runtime, split = s.no_split, s.split_k  # read-only, as steps
+    if s.own_split:
+        runtime = runtime.copy()
+        for i in s.own_split:
+            runtime[i] = s.families[i].runtime_split(keys[i], int(output_tiles[i]), int(k[i]), int(s.units[i]))
+        split = s.split_k * runtime
     waves = _ceil_div(output_tiles * split, s.units)
     k_per_tile = _ceil_div(_ceil_div(k, split), s.tk) * s.tk
     cost = waves * s.tm * s.tn * k_per_tile / s.efficiency * s.cost_factor
-    partial = ~np.isnan(steps)
-    if partial.any():  # the same product, in the same order, as estimated_cost's
+    if s.own_partials:  # the same product, in the same order, as estimated_cost's
+        partial = ~np.isnan(steps)
         cost[partial] = (steps * s.tm * s.tn * s.tk * s.resident / s.efficiency * s.cost_factor)[partial]
     for i in s.own_problem_factor:
         cost[i] *= s.families[i].problem_factor(problem, keys[i])
@@ -163,10 +172,8 @@ def learned(problem, kernels, models=None) -> list:
     used instead of the shipped ones (learned.model_path), None for the shipped ones."""
     from . import learned as learned_models
 
-    kernels = list(kernels)
-    covered, rest = learned_models.split(problem, kernels, models)
-    ranked = learned_models.rank(problem, covered, covered=True, models=models) if covered else None
-    return ranked + analytic(problem, rest) if ranked is not None else analytic(problem, kernels)
+    ranked, rest = learned_models.order(problem, list(kernels), models)
+    return ranked + analytic(problem, rest) if ranked is not None else analytic(problem, rest)
 
 
 RANKERS = {"first_fit": first_fit, "analytic": analytic, "learned": learned}
