@@ -338,12 +338,12 @@ class TreeEnsemble:
     def _run_compiled(self, x: np.ndarray, columns: np.ndarray, start, masks_out, out) -> None:
         compiled = self._compiled
         trees = compiled.trees
-        scratch = np.empty(2 * trees, dtype=self._masks.bits.type)  # forest.c's shared and alive
+        scratch = np.empty(3 * trees, dtype=self._masks.bits.type)  # forest.c's shared (two parts) and alive
         varying = np.empty(max(len(columns), 1), dtype=np.int64)
         status = compiled.function(
             x.shape[0], trees, compiled.width, x.ctypes.data, x.shape[1], len(columns), columns.ctypes.data,
             *compiled.tables, None if start is None else start.ctypes.data, trees, compiled.leaves,
-            scratch.ctypes.data, scratch[trees:].ctypes.data, varying.ctypes.data,
+            scratch.ctypes.data, scratch[2 * trees:].ctypes.data, varying.ctypes.data,
             None if masks_out is None else masks_out.ctypes.data, None if out is None else out.ctypes.data)
         if status != 0:
             raise RuntimeError("the native tree evaluator found a tree with no leaf left: its tables are broken")
