@@ -88,7 +88,7 @@ def _kernel_block(op: str, keys, s) -> _KernelBlock:
               "warps": col(lambda a: a.warps[0] * a.warps[1] * a.warps[2]), "stages": col(lambda a: a.stages),
               "cooperative": col(lambda a: a.pipeline.endswith("cooperative")),
               "stream_k": col(lambda a: a.scheduler == "stream_k")}
-    template = np.zeros((len(keys), len(FEATURES[op])))
+    template = np.full((len(keys), len(FEATURES[op])), np.nan)  # a column features() leaves unfilled shows
     for name in KERNEL_FEATURES.intersection(FEATURES[op]):
         template[:, COLUMN[op][name]] = kernel[name]
     units = f64(s.units)
@@ -122,7 +122,6 @@ def features(problem, keys, names=None) -> np.ndarray:
                      "log2_tiles": np.log2(tiles), "waves": waves,
                      "last_wave_fill": tiles / (np.ceil(waves) * b.units), "k_iterations": k_iters,
                      "log2_k_iterations": np.log2(k_iters), "cluster_tiles_idle": (cluster_tiles - tiles) / cluster_tiles})
-        out = b.template.copy()
     else:
         tiles = f64(t["output_tiles"] * t["split"])
         waves = tiles / b.slots
@@ -131,7 +130,8 @@ def features(problem, keys, names=None) -> np.ndarray:
                      "last_wave_fill": tiles / (np.ceil(waves) * b.slots),
                      "log2_k_iterations": np.log2(np.ceil(np.ceil(k / f64(t["split"])) / b.tk)),
                      "persistent_partials": f64(~np.isnan(t["partials_steps"]))})
-        out = b.template.copy()
+    out = b.template.copy()
+    if op == "conv":
         out[:, _CONV_PROBLEM_COLUMNS] = _conv_problem_columns(problem)  # one row, broadcast
     for name, value in cols.items():
         out[:, COLUMN[op][name]] = value

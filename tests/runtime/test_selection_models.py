@@ -140,7 +140,8 @@ def test_native_evaluator_refuses_tables_that_leave_a_tree_no_leaf():
 
 
 def test_kernel_features_are_the_keys_alone():
-    """The features the ranker keeps per kernel list are the same for a kernel list on any two problems."""
+    """The features the ranker keeps per kernel list are the same for a kernel list on any two problems, and
+    features() fills every column (its template holds NaN until then)."""
     from tiledispatch.generator import kernelset
 
     keys = [e.key for e in kernelset.load(["fp16_rcr_full"], "cutlass", "sm90a")]
@@ -148,7 +149,7 @@ def test_kernel_features_are_the_keys_alone():
                 for m, n, k in ((1, 4096, 14336), (8192, 256, 64)))
     columns = [i for i, name in enumerate(learned.GEMM_FEATURES) if name in learned.KERNEL_FEATURES]
     assert len(columns) == 10 and np.array_equal(one[:, columns], two[:, columns])
-    assert not np.array_equal(one, two)
+    assert not np.array_equal(one, two) and np.isfinite(one).all() and np.isfinite(two).all()
     conv = [e.key for e in kernelset.load(["conv_fp16_all_essential"], "cutlass", "sm90a")
             if e.key.signature.op == "conv" and e.key.signature.direction == "fwd" and e.key.signature.spatial_dims == 2]
     one, two = (learned.features(ConvProblem("fwd", n, g, c, k, size, f, (1, 1), (1, 1), pad, pad, "fp16", "fp16",
@@ -157,6 +158,7 @@ def test_kernel_features_are_the_keys_alone():
                                                  (8, 96, 96, 96, (14, 14), (5, 5), (2, 2))))
     columns = [i for i, name in enumerate(learned.CONV_FEATURES) if name in learned.KERNEL_FEATURES]
     assert len(columns) == 14 and np.array_equal(one[:, columns], two[:, columns])
+    assert np.isfinite(one).all() and np.isfinite(two).all()
 
 
 def test_batched_costs_equal_each_kernels_own():
