@@ -697,7 +697,10 @@ def _listed(kernels) -> _Listed:
         places[sorted(range(len(names)), key=names.__getitem__)] = np.arange(len(names))
         return _Listed(names, [kern.key for kern in kernels], places)
 
-    return _memo(_LISTS, tuple(kernels), make)
+    try:
+        return _memo(_LISTS, tuple(kernels), make)
+    except TypeError:  # kernel-like objects that cannot be hashed (tools' SimpleNamespace): made each time
+        return make()
 
 
 def describe(backend: str, arch: str, models: Optional[Path] = None) -> dict:
