@@ -49,7 +49,7 @@ import operator
 import os
 import threading
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -432,13 +432,19 @@ def _vector_channels(t: torch.Tensor) -> int:
 
 
 def _selected_cost(reg: Registry, problem: ConvProblem) -> Optional[float]:
-    """The cost model's estimate for the kernel the registry selects for the problem; None when no kernel of the
-    bundle runs it."""
-    try:
-        kern = reg.select(problem)
-    except (InvalidInputError, UnsupportedProblemError):
-        return None
-    return selection.estimated_cost(problem, kern.key)
+    """The cost model's estimate for the kernel the registry selects for the problem; where no kernel runs it with
+    its epilogue, for the plain problem's (the epilogue then goes around that kernel: beta * Y, or a GEMM fusing
+    it, as _conv_fwd_epilogue_run routes it); None when no kernel of the bundle runs the plain problem either.
+    Without that fallback, a bundle with no conv kernel fusing a bias refused every route for a stem with one
+    (bench/results/stem_route_h200: ConvNeXt-T's 4x4 stride-4 stem 124 us as it is, 37 us on its space-to-depth
+    copy)."""
+    for candidate in (problem, replace(problem, epilogue=_PLAIN_EPILOGUE)):
+        try:
+            kern = reg.select(candidate)
+        except (InvalidInputError, UnsupportedProblemError):
+            continue
+        return selection.estimated_cost(candidate, kern.key)
+    return None
 
 
 def _channel_padding(handle: int, direction: str, x: torch.Tensor, k: int, filter_size: tuple, geo: _Geometry,

@@ -765,17 +765,46 @@ class _ModelledRegistry:
 def test_channel_padding_width_on_the_cutlass_essential_set(monkeypatch, channels, k, filt, stride, direction, padded):
     """The padding width the cost model picks for conv_fp16_all_essential's sm90a kernels (bench/results/
     channel_padding_align4_h200 measured these choices as the fastest of as is / 4 / 8 on the stems)."""
+    _modelled_essential_registry(monkeypatch)
+    tdt._PAD_ROUTES.clear()
+    x = torch.empty(32, channels, 56, 56, dtype=torch.float16)
+    geo = tdt._geometry((stride, stride), (1, 1), (filt // 2,) * 2, (filt // 2,) * 2, 1)
+    assert tdt._channel_padding(-1, direction, x, k, (filt, filt), geo, tdt._PLAIN_EPILOGUE) == padded
+
+
+def _modelled_essential_registry(monkeypatch, keep=lambda key: True) -> "_ModelledRegistry":
+    """A _ModelledRegistry over conv_fp16_all_essential's sm90a keys that `keep` admits, answering for every
+    handle."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("coverage", REPO / "bench" / "benchmarks" / "coverage.py")
     coverage = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(coverage)
-    registry = _ModelledRegistry(coverage.set_keys("conv_fp16_all_essential", "cutlass/sm90a"))
+    registry = _ModelledRegistry([k for k in coverage.set_keys("conv_fp16_all_essential", "cutlass/sm90a") if keep(k)])
     monkeypatch.setattr(tdt, "registry_of", lambda handle: registry)
+    return registry
+
+
+@pytest.mark.parametrize("k,filt,stride,maps", [
+    (96, 4, 4, True),    # ConvNeXt / Swin 4x4 stride-4 patches: a 1x1 conv of 48 channels
+    (768, 16, 16, True),  # ViT-B/16 patches
+    (32, 3, 2, False)])  # MobileNetV2's 3x3 / 2 stem: 9 -> 16 taps
+def test_a_stem_with_a_bias_is_routed_on_its_plain_cost_where_no_conv_kernel_fuses_the_bias(monkeypatch, k, filt,
+                                                                                            stride, maps):
+    """On conv kernels that fuse no bias (the models benchmark builds the identity epilogues of
+    conv_fp16_all_essential), a stem with a bias is costed as the plain problem (the bias then goes through
+    beta * Y, or a GEMM fusing it on the pointwise mapped problem): the patch-embedding stems map to space to depth
+    (bench/results/stem_route_h200: ConvNeXt-T's 37 against 124 us as it is, ViT-B/16's 37 against 349), where
+    costed with the bias neither problem had a kernel and the route was refused."""
+    _modelled_essential_registry(monkeypatch, lambda key: key.signature.epilogue == tdt._PLAIN_EPILOGUE)
+    monkeypatch.setattr(tdt, "_SPACE_TO_DEPTH", "auto")
+    tdt._S2D_ROUTES.clear()
     tdt._PAD_ROUTES.clear()
-    x = torch.empty(32, channels, 56, 56, dtype=torch.float16)
-    geo = tdt._geometry((stride, stride), (1, 1), (filt // 2,) * 2, (filt // 2,) * 2, 1)
-    assert tdt._channel_padding(-1, direction, x, k, (filt, filt), geo, tdt._PLAIN_EPILOGUE) == padded
+    x = torch.empty(32, 3, 224, 224, dtype=torch.float16)
+    geo = tdt._geometry((stride, stride), (1, 1), (filt // 2 if stride < filt else 0,) * 2,
+                        (filt // 2 if stride < filt else 0,) * 2, 1)
+    with_bias = tdt.Epilogue("identity", True, 0)
+    assert (tdt._space_to_depth(-1, "fwd", x, k, (filt, filt), geo, with_bias) is not None) == maps
 
 
 def _remembered(registry) -> int:
