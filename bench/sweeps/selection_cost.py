@@ -1,9 +1,8 @@
 """What selection costs on the cpu backend with a 200-kernel bundle: the first select of a new problem (one after
 thousands of repeated selects, and back to back over 500 new problems) and a repeated one, with the first split
-into its parts (matching: each kernel's td_can_run, which select asks only of
-the best-ranked kernels until one accepts; the learned model's features; its trees, also with the CPU's caches
-emptied first), and apart the process's
-first select (which loads the kernels' libraries).
+into its parts (matching: each kernel's td_can_run, which select asks only of the best-ranked kernels until one
+accepts; the learned model's features; its trees, also with the CPU's caches emptied first), and apart the
+process's first select (which loads the kernels' libraries).
 
     python bench/sweeps/selection_cost.py [--kernels 200] [--problems 30] [--out bench/results/selection_cost_cpu.json]
     python bench/sweeps/selection_cost.py --shipped-only   # the shipped models alone, JSON to stdout
@@ -209,8 +208,8 @@ def main() -> int:
             fits = fresh.candidates(p)
             keys, names = [k.key for k in fits], tuple(k.name for k in fits)
             x = learned.features(p, keys, names)
-            # as the ranker calls them: the kernel columns' leaf masks kept for this kernel list; timed cold before
-            # the thousands of repeated selects that the next problem's first select follows, as it did before
+            # as the ranker calls them: the kernel columns' leaf masks kept for this kernel list; timed cold first,
+            # so that the next problem's first select still follows thousands of repeated selects
             predict = lambda: model.trees.predict(x, names, model.kernel_columns)  # noqa: E731
             trees_cold = statistics.median(cold_us(predict) for _ in range(5))
             repeated = statistics.median(us(lambda: fresh.select(p), 1000) for _ in range(5))

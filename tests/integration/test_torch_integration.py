@@ -757,6 +757,19 @@ class _ModelledRegistry:
         return selection.analytic(problem, fits)[0]
 
 
+def _modelled_essential_registry(monkeypatch, keep=lambda key: True) -> "_ModelledRegistry":
+    """A _ModelledRegistry over conv_fp16_all_essential's sm90a keys that `keep` admits, answering for every
+    handle."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("coverage", REPO / "bench" / "benchmarks" / "coverage.py")
+    coverage = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(coverage)
+    registry = _ModelledRegistry([k for k in coverage.set_keys("conv_fp16_all_essential", "cutlass/sm90a") if keep(k)])
+    monkeypatch.setattr(tdt, "registry_of", lambda handle: registry)
+    return registry
+
+
 @pytest.mark.parametrize("channels,k,filt,stride,direction,padded", [
     (3, 64, 7, 2, "fwd", 4), (3, 64, 7, 2, "bwd_weight", 4),    # ResNet-50's stem: the 8-byte kernels
     (5, 64, 3, 1, "fwd", 8), (5, 64, 3, 1, "bwd_weight", 8),    # C = 5: both widths give 8
@@ -770,19 +783,6 @@ def test_channel_padding_width_on_the_cutlass_essential_set(monkeypatch, channel
     x = torch.empty(32, channels, 56, 56, dtype=torch.float16)
     geo = tdt._geometry((stride, stride), (1, 1), (filt // 2,) * 2, (filt // 2,) * 2, 1)
     assert tdt._channel_padding(-1, direction, x, k, (filt, filt), geo, tdt._PLAIN_EPILOGUE) == padded
-
-
-def _modelled_essential_registry(monkeypatch, keep=lambda key: True) -> "_ModelledRegistry":
-    """A _ModelledRegistry over conv_fp16_all_essential's sm90a keys that `keep` admits, answering for every
-    handle."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("coverage", REPO / "bench" / "benchmarks" / "coverage.py")
-    coverage = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(coverage)
-    registry = _ModelledRegistry([k for k in coverage.set_keys("conv_fp16_all_essential", "cutlass/sm90a") if keep(k)])
-    monkeypatch.setattr(tdt, "registry_of", lambda handle: registry)
-    return registry
 
 
 @pytest.mark.parametrize("k,filt,stride,maps", [
