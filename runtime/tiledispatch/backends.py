@@ -41,6 +41,8 @@ FAMILY_OPTIONAL = {
     "cost_factor": "cost_factor(key) -> float: how much slower than its tile shape suggests the kernel runs",
     "problem_factor": "problem_factor(problem, key) -> float: how much slower than cost_factor says the kernel runs "
                       "on this problem (e.g. where the problem's geometry leaves one block per compute unit)",
+    "factor_key": "factor_key(key) -> hashable: all of the key that problem_factor reads; the ranker computes one "
+                  "problem_factor per problem for the family's keys with equal factor keys",
     "partials_cost": "partials_cost(problem, key) -> float | None: the cost of a persistent split-K kernel, in "
                      "main-loop steps of one tile (None: the tiles-in-waves model applies)",
 }
@@ -62,6 +64,7 @@ _DEFAULTS: dict[str, Callable] = {
     "resident_ctas": lambda key: 1,
     "cost_factor": lambda key: 1,
     "problem_factor": lambda problem, key: 1,
+    "factor_key": lambda key: key,  # the whole key: no two keys share a factor
     "partials_cost": lambda problem, key: None,
 }
 
@@ -82,6 +85,7 @@ class Family:
     resident_ctas: Callable
     cost_factor: Callable
     problem_factor: Callable
+    factor_key: Callable
     partials_cost: Callable
 
 

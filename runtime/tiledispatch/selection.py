@@ -66,8 +66,9 @@ def analytic(problem, kernels) -> list:
 
 class _Static:
     """What estimated_cost reads from the keys alone, as arrays over a list of keys, and which keys' families
-    define their own gemm_view / runtime_split / partials_cost (those are asked per key, gemm_view once per group of
-    keys with equal view keys; the defaults are computed once per problem)."""
+    define their own gemm_view / runtime_split / partials_cost / problem_factor (those are asked per key, gemm_view
+    and problem_factor once per group of keys with equal view / factor keys; the defaults are computed once per
+    problem)."""
 
     def __init__(self, keys):
         fams = [backends.family_of(key) for key in keys]
@@ -92,8 +93,12 @@ class _Static:
                                     dtype=np.int64)
         self.own_split = [i for i, f in enumerate(fams) if f.runtime_split is not default["runtime_split"]]
         self.own_partials = [i for i, f in enumerate(fams) if f.partials_cost is not default["partials_cost"]]
-        self.own_problem_factor = [i for i, f in enumerate(fams)
-                                   if f.problem_factor is not default["problem_factor"]]
+        # the keys whose family has its own problem_factor, grouped by family and factor key: one factor per group
+        factors: dict = {}
+        for i, f in enumerate(fams):
+            if f.problem_factor is not default["problem_factor"]:
+                factors.setdefault((f.backend, f.name, f.factor_key(keys[i])), []).append(i)
+        self.factor_groups = [np.array(group) for group in factors.values()]
         self.families = fams
         # what cost_terms returns where no key's family has its own partials cost / runtime split
         self.no_partials, self.no_split = np.full(len(keys), np.nan), np.ones(len(keys), dtype=np.int64)
@@ -153,8 +158,10 @@ def cost_terms(problem, keys, names=None) -> dict:
     if s.own_partials:  # the same product, in the same order, as estimated_cost's
         partial = ~np.isnan(steps)
         cost[partial] = (steps * s.tm * s.tn * s.tk * s.resident / s.efficiency * s.cost_factor)[partial]
-    for i in s.own_problem_factor:
-        cost[i] *= s.families[i].problem_factor(problem, keys[i])
+    for group in s.factor_groups:
+        factor = s.families[group[0]].problem_factor(problem, keys[group[0]])
+        if factor != 1:  # mostly 1: no pass over the group
+            cost[group] *= factor
     return {"m": m, "n": n, "k": k, "batch": batch, "tiles_m": tiles_m, "tiles_n": tiles_n,
             "output_tiles": output_tiles, "runtime_split": runtime, "split": split, "waves": waves,
             "k_per_tile": k_per_tile, "partials_steps": steps, "cost": cost, "static": s}

@@ -162,10 +162,10 @@ def test_kernel_features_are_the_keys_alone():
 
 
 def test_batched_costs_equal_each_kernels_own():
-    """cost_terms (one gemm_view per view key, the defaults once per problem, arrays over the kernels) gives every
-    kernel of the preselected conv sets the cost estimated_cost gives it alone (a family whose view key leaves out
-    what its gemm_view reads would fail here where two of these kernels differ only in what it leaves out).
-    Problems of every direction and rank, with stride, groups and depthwise, on which the direct kernels' stride-2
+    """cost_terms (one gemm_view per view key, one problem_factor per factor key, the defaults once per problem,
+    arrays over the kernels) gives every kernel of the preselected conv sets the cost estimated_cost gives it alone
+    (a family whose view key or factor key leaves out what its gemm_view or problem_factor reads would fail here
+    where two of these kernels differ only in what it leaves out). Problems of every direction and rank, with stride, groups and depthwise, on which the direct kernels' stride-2
     halo rule (problem_factor) fires."""
     from tiledispatch.generator import kernelset
 

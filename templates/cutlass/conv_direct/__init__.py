@@ -84,6 +84,13 @@ def problem_factor(problem, key) -> float:
     return 2.0 if need and common.arch(key)["smem_bytes"] // need < 2 else 1.0
 
 
+def factor_key(key) -> tuple:
+    """What problem_factor reads of the key: its direction, pipeline and tile, the groups it is specialized for, its
+    compiled occupancy and arch (through problem_smem_bytes, which also reads the bwd_weight rows option)."""
+    return (key.signature.direction, key.algorithm.pipeline, key.algorithm.tile, common.extra(key, "cpg"),
+            common.extra(key, "occupancy"), common.extra(key, "rows"), key.arch)
+
+
 def gemm_view(problem, key) -> tuple[int, int, int, int]:
     """One GEMM with the channels of all groups as its columns (lanes), over the pixels the blocks compute: tile[0]
     pixels along W by tile[2] rows along H, so rows and columns round up to whole tiles (a 56-wide row in 32-wide
