@@ -83,27 +83,27 @@ class _Static:
         self.cost_factor = np.array([f.cost_factor(key) for f, key in zip(fams, keys)], dtype=np.float64)
         self.resident = np.array([f.resident_ctas(key) for f, key in zip(fams, keys)], dtype=np.int64)
         default = backends._DEFAULTS
-        # the keys whose family has its own gemm_view, grouped by family and view key: one view per group
-        views: dict = {}
-        for i, f in enumerate(fams):
-            if f.gemm_view is not default["gemm_view"]:
-                views.setdefault((f.backend, f.name, f.view_key(keys[i])), []).append(i)
-        self.view_groups = [np.array(group) for group in views.values()]
+        self.view_groups = _own_groups(fams, keys, "gemm_view", "view_key")
         self.shared_view = np.array([i for i, f in enumerate(fams) if f.gemm_view is default["gemm_view"]],
                                     dtype=np.int64)
         self.own_split = [i for i, f in enumerate(fams) if f.runtime_split is not default["runtime_split"]]
         self.own_partials = [i for i, f in enumerate(fams) if f.partials_cost is not default["partials_cost"]]
-        # the keys whose family has its own problem_factor, grouped by family and factor key: one factor per group
-        factors: dict = {}
-        for i, f in enumerate(fams):
-            if f.problem_factor is not default["problem_factor"]:
-                factors.setdefault((f.backend, f.name, f.factor_key(keys[i])), []).append(i)
-        self.factor_groups = [np.array(group) for group in factors.values()]
+        self.factor_groups = _own_groups(fams, keys, "problem_factor", "factor_key")
         self.families = fams
         # what cost_terms returns where no key's family has its own partials cost / runtime split
         self.no_partials, self.no_split = np.full(len(keys), np.nan), np.ones(len(keys), dtype=np.int64)
         for constant in (self.no_partials, self.no_split, self.split_k):
             constant.flags.writeable = False
+
+
+def _own_groups(fams, keys, hook: str, key_of: str) -> list[np.ndarray]:
+    """The indices of the keys whose family has its own `hook` (gemm_view, problem_factor), grouped by family and by
+    what of the key the hook reads (the family's `key_of`: view_key, factor_key): the hook is asked once per group."""
+    groups: dict = {}
+    for i, f in enumerate(fams):
+        if getattr(f, hook) is not backends._DEFAULTS[hook]:
+            groups.setdefault((f.backend, f.name, getattr(f, key_of)(keys[i])), []).append(i)
+    return [np.array(group) for group in groups.values()]
 
 
 _STATICS: OrderedDict = OrderedDict()  # kernel names (or keys) -> _Static, the most recent 64 kernel lists
