@@ -13,7 +13,6 @@ refused the mapping.
 """
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 
@@ -27,7 +26,6 @@ from stem_probe import graph_ms, setup  # noqa: E402
 import tiledispatch as td  # noqa: E402
 import tiledispatch.torch as tdt  # noqa: E402
 from tiledispatch import selection  # noqa: E402
-from tiledispatch.ops.conv import ConvProblem  # noqa: E402
 
 # K, filter, stride, padding; C = 3
 STEMS = {"convnext_tiny": (96, 4, 4, 0), "vit_b_16": (768, 16, 16, 0), "resnet50": (64, 7, 2, 3),
@@ -37,18 +35,12 @@ ROUTES = ("auto", "on", "off")
 
 def route_terms(handle: int, reg, x: torch.Tensor, k: int, f: int, geo, epilogue) -> dict:
     """The kernel the registry selects (and its estimated cost) for the problem as it is, after the channel padding
-    the operators would apply, and for its space-to-depth mapping; or why none runs it."""
-    s, p = geo.stride[0], geo.pad_lo[0]
+    the operators would apply, and for its space-to-depth mapping (the problems the "auto" route compares); or why
+    none runs it."""
     plan = tdt._space_to_depth_plan(tuple(x.shape), (f, f), geo, tdt._vector_channels(x))
-    wide = tdt._channel_padding(handle, "fwd", x, k, (f, f), geo, epilogue)
-    out = tdt._out_size(x.shape[2:], (f, f), (s, s), (1, 1), (p, p), (p, p))
-    problems = {"as_is": ConvProblem("fwd", x.shape[0], 1, wide or x.shape[1], k, tuple(x.shape[2:]), (f, f), (s, s),
-                                     (1, 1), (p, p), (p, p), "fp16", "fp16", "fp16", epilogue=epilogue),
-                "mapped": ConvProblem("fwd", x.shape[0], 1, math.prod(plan.block) * plan.channels, k,
-                                      tuple(o + t - 1 for o, t in zip(out, plan.taps)), plan.taps, (1, 1), (1, 1),
-                                      (0, 0), (0, 0), "fp16", "fp16", "fp16", epilogue=epilogue)}
     terms = {}
-    for name, problem in problems.items():
+    for name, problem in zip(("as_is", "mapped"),
+                             tdt._space_to_depth_problems(handle, "fwd", x, k, (f, f), geo, epilogue, plan)):
         try:
             kern = reg.select(problem)
             terms[name] = {"problem": str(problem), "kernel": kern.name,

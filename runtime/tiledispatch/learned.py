@@ -619,10 +619,10 @@ def split(problem, kernels, models: Optional[Path] = None) -> tuple[list, list]:
     return _split(model_of(kernels, models), kernels)
 
 
-def _split(model, kernels) -> tuple[list, list]:
+def _split(model, kernels, listed=None) -> tuple[list, list]:
     if model is None:
         return [], list(kernels)
-    token = (model.version, _listed(kernels).names)  # applies() and knows() read the keys alone
+    token = (model.version, (listed or _listed(kernels)).names)  # applies() and knows() read the keys alone
     covers, every = _memo(_COVERS, token, lambda: _coverage(model, kernels))
     if every or not covers:
         return (list(kernels), []) if every else ([], list(kernels))
@@ -659,9 +659,8 @@ def rank(problem, kernels, models: Optional[Path] = None) -> Optional[list]:
     predictions with another ranker's estimates would compare unlike numbers). models: as model_for's."""
     if not kernels:
         return []
-    model = model_of(kernels, models)
-    covered, rest = _split(model, kernels)
-    return _ordered(model, problem, kernels) if covered and not rest else None
+    ranked, rest = order(problem, kernels, models)
+    return None if rest else ranked
 
 
 def order(problem, kernels, models: Optional[Path] = None) -> tuple[Optional[list], list]:
@@ -669,12 +668,15 @@ def order(problem, kernels, models: Optional[Path] = None) -> tuple[Optional[lis
     them): rank and split with one look for the model file, as selection.learned calls them on every first
     select."""
     model = model_of(kernels, models)
-    covered, rest = _split(model, kernels)
-    return (_ordered(model, problem, covered) if covered else None), rest
+    listed = None if model is None else _listed(kernels)  # made once for the split and, covering all, the order
+    covered, rest = _split(model, kernels, listed)
+    if not covered:
+        return None, rest
+    return _ordered(model, problem, covered, None if rest else listed), rest
 
 
-def _ordered(model, problem, kernels) -> list:
-    listed = _listed(kernels)
+def _ordered(model, problem, kernels, listed=None) -> list:
+    listed = listed or _listed(kernels)  # the caller's, where it has them for these kernels
     predicted = model.predict(problem, listed.keys, listed.names)
     # by score, then by name (unique) on ties: one sort in C over the names' precomputed places
     return [kernels[i] for i in np.lexsort((listed.name_places, predicted)).tolist()]

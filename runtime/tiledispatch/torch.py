@@ -582,21 +582,29 @@ def _space_to_depth_pays(handle: int, direction: str, x: torch.Tensor, k: int, f
     problem cheaper than that of the problem as it is (after its channel padding)."""
     if math.prod(t * s for t, s in zip(plan.taps, plan.block)) > _S2D_MOST_EXTRA * math.prod(filter_size):
         return False
-    reg, dtype = registry_of(handle), _dtype_name(x, "x")
-
-    def cost(channels: int, in_size, taps, g: "_Geometry") -> Optional[float]:
-        return _selected_cost(reg, ConvProblem(direction, x.shape[0], 1, channels, k, tuple(in_size), tuple(taps),
-                                               g.stride, g.dilation, g.pad_lo, g.pad_hi, dtype, dtype, dtype,
-                                               epilogue=epilogue))
+    reg = registry_of(handle)
     try:
-        wide = _channel_padding(handle, direction, x, k, tuple(filter_size), geo, epilogue)
-        as_is = cost(wide or x.shape[1], x.shape[2:], filter_size, geo)
-        out = _out_size(x.shape[2:], filter_size, geo.stride, geo.dilation, geo.pad_lo, geo.pad_hi)
-        mapped = cost(math.prod(plan.block) * plan.channels, [o + t - 1 for o, t in zip(out, plan.taps)], plan.taps,
-                      plan.geo)
+        as_is, mapped = (_selected_cost(reg, problem) for problem in
+                         _space_to_depth_problems(handle, direction, x, k, filter_size, geo, epilogue, plan))
     except InvalidInputError:  # dtypes or shapes the plain path's checks refuse, with their own message
         return False
     return mapped is not None and (as_is is None or mapped < as_is)
+
+
+def _space_to_depth_problems(handle: int, direction: str, x: torch.Tensor, k: int, filter_size: tuple,
+                             geo: "_Geometry", epilogue: Epilogue, plan: _SpaceToDepth) -> tuple:
+    """(the problem as it runs without the mapping, after its channel padding; the mapped unit-stride problem):
+    what _space_to_depth_pays compares."""
+    dtype = _dtype_name(x, "x")
+
+    def problem(channels: int, in_size, taps, g: "_Geometry") -> ConvProblem:
+        return ConvProblem(direction, x.shape[0], 1, channels, k, tuple(in_size), tuple(taps), g.stride, g.dilation,
+                           g.pad_lo, g.pad_hi, dtype, dtype, dtype, epilogue=epilogue)
+    wide = _channel_padding(handle, direction, x, k, tuple(filter_size), geo, epilogue)
+    out = _out_size(x.shape[2:], filter_size, geo.stride, geo.dilation, geo.pad_lo, geo.pad_hi)
+    return (problem(wide or x.shape[1], x.shape[2:], filter_size, geo),
+            problem(math.prod(plan.block) * plan.channels, [o + t - 1 for o, t in zip(out, plan.taps)], plan.taps,
+                    plan.geo))
 
 
 def _to_depth(x: torch.Tensor, plan: _SpaceToDepth) -> torch.Tensor:
