@@ -1,3 +1,6 @@
 // silu: v / (1 + exp(-v))
 template <class T>
-TD_ACTIVATION_FN T td_activate(T v, T, T) { return v / (T(1) + td_act::exp_of(-v)); }
+TD_ACTIVATION_FN T td_activate(T v, T, T) {
+  if constexpr (std::is_same_v<T, float>) return v * td_act::sigmoid_of(v);
+  else return v / (T(1) + td_act::exp_of(-v));
+}
