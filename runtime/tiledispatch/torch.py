@@ -152,13 +152,15 @@ def _dtype_name(t: torch.Tensor, role: str) -> str:
 # -- GEMM routing ----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _GemmRoute:
-    """How one GEMM call runs on the bundle: the layout letters A and B are brought to (None: used in place)
-    and whether bias / residuals go in through beta * C (the bundle has no kernel fusing them)."""
+    """How one GEMM call runs on the bundle: the layout letters A and B are brought to (None: used in place),
+    whether bias / residuals go in through beta * C (the bundle has no kernel fusing them), the epilogue the kernel
+    computes, and whether torch applies the activation after it (no kernel computing it runs the problem)."""
     layout: str
     copy_a: Optional[str]
     copy_b: Optional[str]
     fold: bool
     epilogue: Epilogue
+    activation_after: bool = False
 
 
 _ROUTES: dict = {}
@@ -191,9 +193,30 @@ def _gemm_route(handle: int, a: torch.Tensor, b: torch.Tensor, activation: str, 
 
 def _choose_route(handle, dtype, activation, bias, residuals, letters_a, letters_b, shape=None) -> _GemmRoute:
     """The route: fewest operand copies, then a fused bias / residual epilogue over beta * C. shape: the call's
-    (batch, m, n, k): a route is taken only where one of its kernels can run that problem (a bias kernel may
-    refuse, e.g., an unaligned n that a plain kernel runs); None, or no route running it: where its kernels
-    exist (the registry's call then says why none runs the problem)."""
+    (batch, m, n, k): a route is taken only where one of its kernels can run that problem (a kernel fusing an
+    epilogue may refuse, e.g., an unaligned n that a plain kernel runs); where the bundle's kernels computing the
+    activation all refuse it, the identity epilogue's route with torch's activation after the kernel; None, or no
+    route running it: where its kernels exist (the registry's call then says why none runs the problem). A bundle
+    with no kernel computing the activation is refused, whatever the shape."""
+    route = _cheapest_route(handle, dtype, activation, bias, residuals, letters_a, letters_b, shape)
+    if route is None and shape is not None:
+        route = _cheapest_route(handle, dtype, activation, bias, residuals, letters_a, letters_b, None)
+        plain = None if route is None or activation == "identity" else \
+            _cheapest_route(handle, dtype, "identity", bias, residuals, letters_a, letters_b, shape)
+        if plain is not None:
+            route = replace(plain, activation_after=True)
+    if route is None:
+        what = f"{activation}" + (" + bias" if bias else "") + (f" + {residuals} residual(s)" if residuals else "")
+        caps = _CAPS[handle].gemm
+        have = sorted({f"{c[1]} {c[2]}{' + bias' if c[3] else ''}" for c in caps if c[0] == dtype})
+        raise UnsupportedProblemError(
+            f"the bundle has no {dtype} GEMM kernel with a row-major output computing {what}"
+            + (f" (its {dtype} GEMM kernels: {', '.join(have)})" if have else f" (it has no {dtype} GEMM kernels)"))
+    return route
+
+
+def _cheapest_route(handle, dtype, activation, bias, residuals, letters_a, letters_b, shape) -> Optional[_GemmRoute]:
+    """The cheapest route whose kernels compute this epilogue (and run the shape, where given), or None."""
     caps = _CAPS[handle].gemm
     exact = Epilogue(activation, bias, residuals)
     plain = Epilogue(activation, False, 0)
@@ -212,15 +235,7 @@ def _choose_route(handle, dtype, activation, bias, residuals, letters_a, letters
             if best is None or cost < best[0]:
                 best = cost, _GemmRoute(layout, copy_a, copy_b, fold, epi)
             break
-    if best is None and shape is not None:
-        return _choose_route(handle, dtype, activation, bias, residuals, letters_a, letters_b)
-    if best is None:
-        what = f"{activation}" + (" + bias" if bias else "") + (f" + {residuals} residual(s)" if residuals else "")
-        have = sorted({f"{c[1]} {c[2]}{' + bias' if c[3] else ''}" for c in caps if c[0] == dtype})
-        raise UnsupportedProblemError(
-            f"the bundle has no {dtype} GEMM kernel with a row-major output computing {what}"
-            + (f" (its {dtype} GEMM kernels: {', '.join(have)})" if have else f" (it has no {dtype} GEMM kernels)"))
-    return best[1]
+    return None if best is None else best[1]
 
 
 def _gemm_runs(handle: int, dtype: str, layout: str, epilogue: Epilogue, shape: tuple) -> bool:
@@ -266,13 +281,16 @@ def _gemm_impl(a, b, bias, residuals, activation, clamp_low, clamp_high, registr
     if route.copy_b:
         b = _to_major(b, route.copy_b)
     clamp = (clamp_low, clamp_high) if activation == "clamp" else NO_CLAMP
+    kernel_activation = route.epilogue.activation
+    kernel_clamp = clamp if kernel_activation == "clamp" else NO_CLAMP
     if route.fold:  # D = act(A @ B + 1 * C) with C = bias + residuals, written into D first (C may alias D)
         _fill_with_sum(out, bias, residuals)
-        return reg.gemm(a, b, out, c=out, beta=1.0, activation=activation, clamp=clamp)
-    reg.gemm(a, b, out, bias=bias, residuals=residuals, activation=activation, clamp=clamp)
-    if not (route.copy_a or route.copy_b):
-        _mark_direct(_gemm_pointers)
-    return out
+        reg.gemm(a, b, out, c=out, beta=1.0, activation=kernel_activation, clamp=kernel_clamp)
+    else:
+        reg.gemm(a, b, out, bias=bias, residuals=residuals, activation=kernel_activation, clamp=kernel_clamp)
+        if not (route.copy_a or route.copy_b or route.activation_after):
+            _mark_direct(_gemm_pointers)
+    return _activate_(out, activation, clamp) if route.activation_after else out
 
 
 def _fill_with_sum(out: torch.Tensor, bias: Optional[torch.Tensor], residuals: Sequence[torch.Tensor]) -> None:
@@ -752,9 +770,12 @@ def _conv_route(handle: int, x, w, geo: _Geometry, activation: str, bias: bool, 
             route = "conv"
         elif problem is not None and conv_as_gemm.applies(problem):
             pixels = problem.n * math.prod(problem.in_size)
+            shape = (1, pixels, problem.k, problem.c)
             try:
-                _choose_route(handle, dtype, activation, bias, residuals, "r", "c", (1, pixels, problem.k, problem.c))
-                route = "gemm"
+                gemm = _choose_route(handle, dtype, activation, bias, residuals, "r", "c", shape)
+                # else the plain conv kernel (torch's activation after it either way)
+                if not gemm.activation_after and _gemm_runs(handle, dtype, gemm.layout, gemm.epilogue, shape):
+                    route = "gemm"
             except UnsupportedProblemError:  # no GEMM kernel computes the activation
                 route = None
         if len(_CONV_ROUTES) >= _MEMO_SIZE:

@@ -16,7 +16,8 @@ is folded into the conv's weight and a bias, computed in float32 and cast to the
 mode it computes batch statistics, so it stays PyTorch's and ends the chain: what is fused then is exact in
 either mode (bias, residual add, activation). A conv whose fused kernel the bundle lacks for a problem still
 runs as one tiledispatch.torch.conv call (the plain kernel, bias and residual through beta * Y, the activation
-by torch); a linear's activation is fused only where the bundle has GEMM kernels computing it.
+by torch); a linear's activation is fused only where the bundle has GEMM kernels computing it, and applied
+by torch after the GEMM for a problem all of them refuse (an unaligned out_features).
 
 A residual whose shape or dtype differs from the layer's output at run time (a broadcast add, a type promotion)
 is added by torch instead, so the fused model computes what the model did. Modules torch.fx cannot trace are

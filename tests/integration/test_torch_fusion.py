@@ -130,7 +130,8 @@ class _AlignedLibrary(abi.KernelLibrary):
 
 def test_gemm_route_falls_back_to_beta_c_where_the_bias_kernel_cannot_run(reg, monkeypatch):
     """A linear with bias runs on the bias-fused kernel where that kernel can run the problem and through beta * C
-    on the plain kernel where it cannot (an unaligned n): whether a bias kernel exists does not decide it."""
+    on the plain kernel where it cannot (an unaligned n): whether a bias kernel exists does not decide it; nor, for
+    an activation, whether a kernel computing it exists."""
     kernels = [Kernel(k.key, k.path, library=_AlignedLibrary(k.library) if k.key.signature.epilogue.bias
                       else k.library) for k in reg.kernels]
     restricted = Registry(kernels, reg.backend, reg.arch)
@@ -151,10 +152,14 @@ def test_gemm_route_falls_back_to_beta_c_where_the_bias_kernel_cannot_run(reg, m
             assert calls == ([] if call and route == "bias kernel" else [route]), (n, call)
             calls.clear()
             assert rel_err(out, F.linear(x.double(), w.double(), b.double())) < TOL
-    # with activation: relu + bias kernel where it runs; else relu without bias does not exist: the route that
-    # exists is taken and the registry says why no kernel runs the problem
-    with pytest.raises(td.UnsupportedProblemError, match="multiple of 8"):
-        tdt.linear(x, rand(23, 16), rand(23), registry=restricted, activation="relu")
+    # with an activation: the relu + bias kernel where it runs; where it cannot (and this bundle has no relu kernel
+    # without a bias), the plain kernel with the bias through beta * C, and torch's relu after it
+    for n, route in ((24, "bias kernel"), (23, "beta * C")):
+        w, b = rand(n, 16, seed=4), rand(n, seed=5)
+        out = tdt.linear(x, w, b, registry=restricted, activation="relu")
+        assert calls == [route], n
+        calls.clear()
+        assert rel_err(out, F.linear(x.double(), w.double(), b.double()).relu()) < TOL
 
 
 # -- conv epilogues: the fallback (no fused conv kernels in this bundle) -------------------------------------------

@@ -9,6 +9,7 @@ built for the GPU holding fp16 GEMM and conv kernels (e.g. fp16_rcr_essential + 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import math
 import os
@@ -206,6 +207,45 @@ def test_operands_that_are_not_tensors_are_refused_by_name(reg):
             for message, call in calls:
                 with pytest.raises(td.InvalidInputError, match=message):
                     call()
+
+
+def test_an_activation_whose_kernels_refuse_the_shape_is_applied_after_a_plain_kernel(reg, monkeypatch):
+    """Where every kernel computing the activation refuses a problem (as the cutlass fused set's 16-byte-aligned
+    kernels refuse an out_features that is not a multiple of 8) and a plain kernel runs it, the GEMM runs on that
+    kernel and torch applies the activation: forward and gradients exact, never a remembered launch that would
+    skip the activation; a pointwise conv then stays on its conv kernel."""
+    h = tdt.register(reg)
+    runs = tdt._gemm_runs
+    monkeypatch.setattr(tdt, "_gemm_runs", lambda handle, dtype, layout, epi, shape: (
+        (epi.activation == "identity" or shape[2] % 8 == 0) and runs(handle, dtype, layout, epi, shape)))
+    tdt._ROUTES.clear()
+    tdt._CONV_ROUTES.clear()
+    reg.clear_caches()
+    x, w, b = leaf(rand(6, 16, seed=80)), leaf(rand(13, 16, seed=81)), leaf(rand(13, seed=82))
+    route = tdt._choose_route(h, "fp32", "gelu_tanh", True, 0, "r", "c", (1, 6, 13, 16))
+    assert route.activation_after and route.epilogue.activation == "identity"
+    assert not tdt._choose_route(h, "fp32", "gelu_tanh", True, 0, "r", "c", (1, 6, 16, 16)).activation_after
+    exact = [leaf(t.detach().double()) for t in (x, w, b)]
+    want = F.gelu(F.linear(*exact), approximate="tanh")
+    for _ in range(3):  # the third call: where a launch would be remembered
+        out = tdt.linear(x, w, b, registry=h, activation="gelu_tanh")
+        assert rel_err(out, want) < TOL[torch.float32]
+    out.sum().backward()
+    want.sum().backward()
+    for got, ref in zip((x, w, b), exact):
+        assert rel_err(got.grad, ref.grad) < GRAD_TOL[torch.float32]
+    # a pointwise fp16 conv (the GEMM lowering's dtypes), modelled: fp16 GELU GEMM kernels running only 8k output
+    # channels, plain ones running every count. 13 channels: its own conv kernel, not the GEMM route
+    monkeypatch.setattr(tdt, "_gemm_runs", lambda handle, dtype, layout, epi, shape: (
+        epi.activation == "identity" or shape[2] % 8 == 0))
+    tdt._CONV_ROUTES.clear()
+    caps = tdt._CAPS[h]
+    claimed = dataclasses.replace(caps, gemm=caps.gemm | {("fp16", "rcr", "gelu_tanh", False, 0)})
+    monkeypatch.setattr(tdt, "_CAPS", [*tdt._CAPS[:h], claimed, *tdt._CAPS[h + 1:]])
+    x16, w16 = torch.empty(2, 16, 5, 5, dtype=torch.float16), torch.empty(13, 16, 1, 1, dtype=torch.float16)
+    geo = tdt._geometry((1, 1), (1, 1), (0, 0), (0, 0), 1)
+    assert tdt._conv_route(h, x16, w16, geo, "gelu_tanh", False, 0) is None
+    assert tdt._conv_route(h, x16, w16[:8], geo, "gelu_tanh", False, 0) == "gemm"
 
 
 def test_gemm_refusals_are_clear(reg):
