@@ -30,6 +30,7 @@ from models import rel_err  # noqa: E402
 from stem_probe import graph_ms, setup, time_kernels  # noqa: E402
 import tiledispatch as td  # noqa: E402
 import tiledispatch.torch as tdt  # noqa: E402
+from tiledispatch.ops import gemm as gemm_op  # noqa: E402
 
 TIMER = models.Timer("cuda", rounds=3, target_ms=3)
 OPTIONS = {"--model": {"default": "convnext_tiny", "help": "a torchvision classification model"},
@@ -74,7 +75,9 @@ def main() -> None:
             out = gc.poisoned((m, n), "fp16")
             try:
                 run(None, out)
-                row["selected"] = {"ms": graph_ms(lambda: run(None, out), TIMER), "rel_err": rel_err(out, ref)}
+                problem, operands = gemm_op.operands(x, w.t(), out, bias=bias, activation=activation)
+                row["selected"] = {"ms": graph_ms(lambda: run(None, out), TIMER), "rel_err": rel_err(out, ref),
+                                   "kernel": reg.select(problem, operands=operands).name}
             except td.TileDispatchError as e:
                 row["selected"] = {"error": f"{type(e).__name__}: {e}"[:300]}
             row["kernels"], row["best_kernel"] = time_kernels(reg.kernels, run, lambda: gc.poisoned((m, n), "fp16"),

@@ -773,7 +773,7 @@ def _conv_route(handle: int, x, w, geo: _Geometry, activation: str, bias: bool, 
             shape = (1, pixels, problem.k, problem.c)
             try:
                 gemm = _choose_route(handle, dtype, activation, bias, residuals, "r", "c", shape)
-                # else the plain conv kernel (torch's activation after it either way)
+                # only a GEMM that runs the problem with the activation fused; else the plain conv kernel
                 if not gemm.activation_after and _gemm_runs(handle, dtype, gemm.layout, gemm.epilogue, shape):
                     route = "gemm"
             except UnsupportedProblemError:  # no GEMM kernel computes the activation

@@ -32,10 +32,10 @@ TD_ACTIVATION_FN T erf_of(T x) {
   if constexpr (std::is_same_v<T, float>) return ::erff(x); else return ::erf(x);
 }
 
-// The float activations below run in a kernel's epilogue once per output element. CUDA's erff, expf and IEEE
-// division cost 10-25 instructions each there, as much as a GEMM's main loop over a few hundred K
-// (bench/results/gelu_epilogue_h200), so they are built on 1 / x and 2^x, each one instruction of the GPU's
-// special-function unit (a relative error of about 2^-22); host code computes the same formulas exactly.
+// The float activations below run in a kernel's epilogue once per output element. Built on CUDA's erff, expf
+// or IEEE division (10-25 instructions each), a GELU took about as long as a GEMM's main loop over a few hundred
+// K (bench/results/gelu_epilogue_h200); so they are built on 1 / x and 2^x, each one instruction of the GPU's
+// special-function unit (a relative error of about 2^-22). Host code computes the same formulas exactly.
 TD_ACTIVATION_FN float reciprocal(float x) {
 #if defined(__CUDA_ARCH__)
   float r;
