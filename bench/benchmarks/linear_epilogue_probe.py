@@ -1,8 +1,9 @@
-"""A model's Linear layers with their bias (and GELU) on the GPU: fp16, the shapes read from torchvision's model
-(ConvNeXt-T by default, batch 32) by hooks on its nn.Linear layers. F.linear (cuBLAS, with torch's GELU) against
-each GEMM kernel of a bundle that computes the epilogue, the kernel Registry.gemm selects, and the public operator
-tiledispatch.torch.linear (which adds the bias through beta * C where the bundle has no kernel fusing it); every
-time in CUDA graphs (no host work), every output checked against PyTorch's float32 result.
+"""A model's Linear layers with their bias (and GELU, or a residual add) on the GPU: fp16, the shapes read from
+torchvision's model (ConvNeXt-T by default, batch 32) by hooks on its nn.Linear layers. F.linear (cuBLAS, with
+torch's GELU or add) against each GEMM kernel of a bundle that computes the epilogue, the kernel Registry.gemm
+selects, and the public operator tiledispatch.torch.linear (which adds bias and residual through beta * C where the
+bundle has no kernel fusing them); every time in CUDA graphs (no host work), every output checked against
+PyTorch's float32 result.
 
     scons kernels=fp16_rcr_essential,fp16_rcr_fused,bench/sets/linear_bias_probe.yaml backend=cutlass arch=sm90a \
         bundle=linear_probe
@@ -35,7 +36,9 @@ from tiledispatch.ops import gemm as gemm_op  # noqa: E402
 TIMER = models.Timer("cuda", rounds=3, target_ms=3)
 OPTIONS = {"--model": {"default": "convnext_tiny", "help": "a torchvision classification model"},
            "--batch": {"type": int, "default": 32}}
-EPILOGUES = {"bias": "identity", "bias_gelu": "gelu_erf"}
+# label -> (activation, whether a residual of the output's shape is added): ConvNeXt's expanding Linear is
+# followed by GELU, its second one (layer scale folded) by the block's residual add
+EPILOGUES = {"bias": ("identity", False), "bias_gelu": ("gelu_erf", False), "bias_residual": ("identity", True)}
 
 
 def linear_shapes(model_name: str, batch: int) -> list[tuple[int, int, int]]:
@@ -60,22 +63,24 @@ def main() -> None:
     for m, n, k in linear_shapes(a.model, a.batch):
         x, w = gc.random_tensor((m, k), "fp16", gen), gc.random_tensor((n, k), "fp16", gen)
         bias = gc.random_tensor((n,), "fp16", gen)
-        for label, activation in EPILOGUES.items():
+        for label, (activation, residual) in EPILOGUES.items():
             act = (lambda y: y) if activation == "identity" else F.gelu
-            ref = act(F.linear(x.float(), w.float(), bias.float()))
+            res = (gc.random_tensor((m, n), "fp16", gen),) if residual else ()
+            ref = act(F.linear(x.float(), w.float(), bias.float()) + sum(r.float() for r in res))
             row = {"m": m, "n": n, "k": k, "epilogue": label,
-                   "cublas_ms": graph_ms(lambda: act(F.linear(x, w, bias)), TIMER)}
-            operator_out = tdt.linear(x, w, bias, registry=reg, activation=activation)
-            row["operator"] = {"ms": graph_ms(lambda: tdt.linear(x, w, bias, registry=reg, activation=activation),
-                                              TIMER), "rel_err": rel_err(operator_out, ref)}
+                   "cublas_ms": graph_ms(lambda: act(F.linear(x, w, bias) + sum(res)), TIMER)}
+            operator_out = tdt.linear(x, w, bias, registry=reg, activation=activation, residuals=res)
+            row["operator"] = {"ms": graph_ms(lambda: tdt.linear(x, w, bias, registry=reg, activation=activation,
+                                                                 residuals=res), TIMER),
+                               "rel_err": rel_err(operator_out, ref)}
 
             def run(kernel, out):
-                reg.gemm(x, w.t(), out=out, bias=bias, activation=activation, kernel=kernel)
+                reg.gemm(x, w.t(), out=out, bias=bias, residuals=res, activation=activation, kernel=kernel)
 
             out = gc.poisoned((m, n), "fp16")
             try:
                 run(None, out)
-                problem, operands = gemm_op.operands(x, w.t(), out, bias=bias, activation=activation)
+                problem, operands = gemm_op.operands(x, w.t(), out, bias=bias, residuals=res, activation=activation)
                 row["selected"] = {"ms": graph_ms(lambda: run(None, out), TIMER), "rel_err": rel_err(out, ref),
                                    "kernel": reg.select(problem, operands=operands).name}
             except td.TileDispatchError as e:
