@@ -1264,6 +1264,28 @@ def test_gpu_operators_match_torch():
 
 
 @pytest.mark.gpu
+def test_gpu_linear_with_gelu_runs_where_no_fused_kernel_takes_the_shape():
+    """out_features 1234 (not a multiple of 8): the fused sets' GELU kernels refuse it; the call still runs, forward
+    and backward, on a plain kernel with torch's GELU after it."""
+    reg = _gpu_registry()
+    h = tdt.register(reg)
+    dev, dt = "cuda", torch.float16
+    x, w, b = (leaf(t.to(dev)) for t in (rand(77, 256, dtype=dt), rand(1234, 256, dtype=dt, seed=1),
+                                          rand(1234, dtype=dt, seed=2)))
+    if ("fp16", "rcr", "gelu_erf", True, 0) in tdt._CAPS[h].gemm:
+        assert tdt._choose_route(h, "fp16", "gelu_erf", True, 0, "r", "c", (1, 77, 1234, 256)).activation_after
+    exact = [leaf(t.detach().double()) for t in (x, w, b)]
+    out = tdt.linear(x, w, b, registry=reg, activation="gelu_erf")
+    ref = F.gelu(F.linear(*exact))
+    assert rel_err(out, ref) < 2e-3
+    g = rand(*out.shape, dtype=dt, seed=3).to(dev)
+    out.backward(g)
+    ref.backward(g.double())
+    for got, want in zip((x, w, b), exact):
+        assert rel_err(got.grad, want.grad) < 1e-2
+
+
+@pytest.mark.gpu
 def test_gpu_cuda_graph_captures_and_replays_a_training_step():
     reg = _gpu_registry()
     torch.manual_seed(0)
