@@ -770,14 +770,10 @@ def _conv_route(handle: int, x, w, geo: _Geometry, activation: str, bias: bool, 
             route = "conv"
         elif problem is not None and conv_as_gemm.applies(problem):
             pixels = problem.n * math.prod(problem.in_size)
-            shape = (1, pixels, problem.k, problem.c)
-            try:
-                gemm = _choose_route(handle, dtype, activation, bias, residuals, "r", "c", shape)
-                # only a GEMM that runs the problem with the activation fused; else the plain conv kernel
-                if not gemm.activation_after and _gemm_runs(handle, dtype, gemm.layout, gemm.epilogue, shape):
-                    route = "gemm"
-            except UnsupportedProblemError:  # no GEMM kernel computes the activation
-                route = None
+            # only a GEMM kernel that runs the problem with the activation fused; else the plain conv kernel
+            if _cheapest_route(handle, dtype, activation, bias, residuals, "r", "c",
+                               (1, pixels, problem.k, problem.c)) is not None:
+                route = "gemm"
         if len(_CONV_ROUTES) >= _MEMO_SIZE:
             _CONV_ROUTES.clear()
         _CONV_ROUTES[key] = route

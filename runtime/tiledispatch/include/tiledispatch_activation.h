@@ -36,24 +36,13 @@ TD_ACTIVATION_FN T erf_of(T x) {
 // or IEEE division (10-25 instructions each), a GELU took about as long as a GEMM's main loop over a few hundred
 // K (bench/results/gelu_epilogue_h200); so they are built on 1 / x and 2^x, each one instruction of the GPU's
 // special-function unit (a relative error of about 2^-22). Host code computes the same formulas exactly.
-TD_ACTIVATION_FN float reciprocal(float x) {
 #if defined(__CUDA_ARCH__)
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-  return r;
+TD_ACTIVATION_FN float reciprocal(float x) { float r; asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x)); return r; }
+TD_ACTIVATION_FN float exp2_of(float x) { float r; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x)); return r; }
 #else
-  return 1.0f / x;
+TD_ACTIVATION_FN float reciprocal(float x) { return 1.0f / x; }
+TD_ACTIVATION_FN float exp2_of(float x) { return ::exp2f(x); }
 #endif
-}
-TD_ACTIVATION_FN float exp2_of(float x) {
-#if defined(__CUDA_ARCH__)
-  float r;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-  return r;
-#else
-  return ::exp2f(x);
-#endif
-}
 
 // 1 / (1 + exp(-x)): no cancellation at either end (exp(-x) overflowing to infinity gives 0)
 TD_ACTIVATION_FN float sigmoid_of(float x) { return reciprocal(1.0f + exp2_of(x * -1.4426950408889634f)); }
