@@ -8,12 +8,14 @@ MobileNetV2 and ConvNeXt-T inference (batch 32), and the seven linear layers of 
 q 4096, kv 1024, intermediate 14336; no bias) at prefill (2048 tokens) and decode (batch 1, 8, 32). The
 models run in half precision on the GPU (--dtype), float32 on the CPU. Variants, each run eagerly and captured
 in a CUDA graph (GPU only; a capture that fails is recorded as such, with its error): PyTorch eager
-(cudnn.benchmark), torch.compile (Inductor, default mode), the model patched with tiledispatch (tiledispatch)
-and the model fused by tiledispatch.torch.fuse (fused: batch norms folded and conv -> bn -> residual ->
-activation / linear -> activation chains in single calls for inference; in the training step batch norms stay
-PyTorch's, so little fuses). Every variant's output (and, for the training step, every parameter's gradient) is
-compared with eager's as ||x - eager|| / ||eager||, and with a float64 copy of the model on the same input
-(out_rel_err_fp64, grad_rel_err_fp64_*; eager's own included): which variant is nearer the exact result. The output
+(cudnn.benchmark), torch.compile (Inductor, default mode), the model patched with tiledispatch (tiledispatch),
+the model fused by tiledispatch.torch.fuse (fused: batch norms folded and conv -> bn -> residual -> activation /
+linear -> activation chains in single calls for inference; in the training step batch norms stay PyTorch's, so
+little fuses), and the fused model under torch.compile (fused_compile: Inductor traces through the tiledispatch
+operators and fuses the element-wise layers fuse() leaves, e.g. ConvNeXt's LayerNorm). Every variant's output
+(and, for the training step, every parameter's gradient) is compared with eager's as ||x - eager|| / ||eager||,
+and with a float64 copy of the model on the same input (out_rel_err_fp64, grad_rel_err_fp64_*; eager's own
+included): which variant is nearer the exact result. The output
 is within tolerance (out_within_tolerance) when it is within ten times the backend's per-kernel validation
 tolerance for the dtype of eager's, or no farther than that beyond eager's own distance from the float64 output (a
 deep randomly initialised model in fp16 is itself percents away from it). For inference with batch norms folded,
@@ -60,7 +62,7 @@ LLAMA = {"hidden": 4096, "q": 4096, "kv": 1024, "intermediate": 14336}
 TINY_LLAMA = {"hidden": 64, "q": 64, "kv": 16, "intermediate": 160}
 CASES = ("resnet50_train", "resnet50", "mobilenet_v2", "convnext_tiny", "llama3_8b_prefill2048",
          "llama3_8b_decode1", "llama3_8b_decode8", "llama3_8b_decode32")
-VARIANTS = ("eager", "compile", "tiledispatch", "fused")
+VARIANTS = ("eager", "compile", "tiledispatch", "fused", "fused_compile")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -387,7 +389,7 @@ def run_case(case: str, a, reg, vision, timer: Timer) -> dict:
         result["patch_report"] = report.to_dict()
         result["unsupported_layers"] = [r.to_dict() for r in report.unsupported]
         models["tiledispatch"] = patched
-    if "fused" in a.variants:
+    if "fused" in a.variants or "fused_compile" in a.variants:
         try:
             fused, freport = tdt.fuse(base, reg)  # a copy: base stays the reference
             result["fuse_report"] = freport.to_dict()
@@ -396,13 +398,17 @@ def run_case(case: str, a, reg, vision, timer: Timer) -> dict:
                 if err is not None:
                     print(f"  {case:26s} the folded parameters alone (float64 model): out err (fp64) {err:.2e}",
                           flush=True)
-            models["fused"] = fused
+            if "fused" in a.variants:
+                models["fused"] = fused
+            if "fused_compile" in a.variants:  # Inductor around the fused calls, for the element-wise layers left
+                models["fused_compile"] = torch.compile(fused)
             print(f"  {case:26s} fuse: {len(freport.fused)} fused layer(s), {len(freport.kept)} op(s) kept, "
                   f"{len(freport.untraced)} module(s) not traceable, "
                   f"{len(freport.patch.unsupported)} layer(s) on PyTorch", flush=True)
         except Exception as e:  # recorded; the other variants still run
-            result["variants"]["fused"] = {"error": f"{type(e).__name__}: {str(e)[:2000]}",
-                                           "traceback": traceback.format_exc()[-3000:]}
+            for name in {"fused", "fused_compile"}.intersection(a.variants):
+                result["variants"][name] = {"error": f"{type(e).__name__}: {str(e)[:2000]}",
+                                            "traceback": traceback.format_exc()[-3000:]}
     tolerance = 10 * backends.get(reg.backend).tolerance[a.dtype]
     ref = None
     for variant, model in models.items():

@@ -266,6 +266,14 @@ def _gemm_out_dtype(a: torch.Tensor) -> torch.dtype:
 
 
 def _gemm_impl(a, b, bias, residuals, activation, clamp_low, clamp_high, registry):
+    residuals = tuple(residuals)
+    return _remembered(registry, a, b, bias, residuals, ("gemm", activation, clamp_low, clamp_high), _gemm_run, a, b,
+                       bias, residuals, activation, clamp_low, clamp_high, registry, grad=_requires_grad(a, b, bias,
+                                                                                                     *residuals))
+
+
+def _gemm_run(a, b, bias, residuals, activation, clamp_low, clamp_high, registry):
+    """The GEMM on the bundle: the operator's implementation, which eager calls enter directly."""
     # Shapes that do not multiply are refused by reg.gemm's checks (its plan cache is keyed by shapes); only the
     # rank is checked here, before the output is allocated.
     rank = a.dim()
@@ -674,9 +682,13 @@ def _conv_fwd_shape(x, w, stride, dilation, pad_lo, pad_hi):
 def _conv_fwd_impl(x, w, bias, residuals, activation, clamp_low, clamp_high, stride, dilation, pad_lo, pad_hi, groups,
                    registry):
     geo = _geometry(stride, dilation, pad_lo, pad_hi, groups)
+    residuals, clamp = tuple(residuals), (clamp_low, clamp_high)
+    grad = _requires_grad(x, w, bias, *residuals)
     if bias is None and not residuals and activation == "identity":
-        return _conv_fwd_run(x, w, geo, registry)
-    return _conv_fwd_epilogue_run(x, w, bias, residuals, activation, (clamp_low, clamp_high), geo, registry)
+        return _remembered(registry, x, w, None, (), ("conv", activation, clamp, geo), _conv_fwd_run, x, w, geo,
+                           registry, grad=grad)
+    return _remembered(registry, x, w, bias, residuals, ("conv", activation, clamp, geo), _conv_fwd_epilogue_run, x, w,
+                       bias, residuals, activation, clamp, geo, registry, grad=grad)
 
 
 def _conv_fwd_run(x, w, geo: _Geometry, handle: int):
@@ -783,7 +795,7 @@ def _conv_route(handle: int, x, w, geo: _Geometry, activation: str, bias: bool, 
 def _pointwise_gemm(reg, handle: int, x, w, bias, residuals, activation: str, clamp: tuple, y, in_place: bool):
     """y = act(x @ w^T + bias + sum(residuals)) over the pixels of a pointwise conv: channels-last x, y and
     residuals are [pixels, channels] row-major matrices and a channels-last weight [K, C, 1...] a column-major
-    [C, K] one, all views (the GEMM path of _gemm_impl on them). in_place: x, w and the residuals are the
+    [C, K] one, all views (the GEMM path of _gemm_run on them). in_place: x, w and the residuals are the
     caller's own tensors (not channels-last copies)."""
     k, c = w.shape[0], w.shape[1]
     a = x.movedim(1, -1).reshape(-1, c)
@@ -812,7 +824,9 @@ def _conv_fwd_fake(x, w, bias, residuals, activation, clamp_low, clamp_high, str
 
 
 def _conv_bwd_data_impl(dy, w, in_size, stride, dilation, pad_lo, pad_hi, groups, registry):
-    return _conv_bwd_data_run(dy, w, in_size, _geometry(stride, dilation, pad_lo, pad_hi, groups), registry)
+    geo, in_size = _geometry(stride, dilation, pad_lo, pad_hi, groups), tuple(in_size)
+    return _remembered(registry, dy, w, None, (), ("bwd_data", geo, in_size), _conv_bwd_data_run, dy, w, in_size, geo,
+                       registry, grad=_requires_grad(dy, w))
 
 
 def _conv_bwd_data_run(dy, w, in_size, geo: _Geometry, handle: int):
@@ -1039,7 +1053,9 @@ def _conv_bwd_data_fake(dy, w, in_size, stride, dilation, pad_lo, pad_hi, groups
 
 
 def _conv_bwd_weight_impl(x, dy, filter_size, stride, dilation, pad_lo, pad_hi, groups, registry):
-    return _conv_bwd_weight_run(x, dy, filter_size, _geometry(stride, dilation, pad_lo, pad_hi, groups), registry)
+    geo, filter_size = _geometry(stride, dilation, pad_lo, pad_hi, groups), tuple(filter_size)
+    return _remembered(registry, x, dy, None, (), ("bwd_weight", geo, filter_size), _conv_bwd_weight_run, x, dy,
+                       filter_size, geo, registry, grad=_requires_grad(x, dy))
 
 
 def _conv_bwd_weight_run(x, dy, filter_size, geo: _Geometry, handle: int):
@@ -1135,7 +1151,7 @@ def _eager(a, b, c=None) -> bool:
 def _gemm(a, b, bias, residuals, activation: str, clamp_low: float, clamp_high: float, handle: int):
     """tiledispatch::gemm, directly where _eager allows."""
     if _eager(a, b, bias) and (not residuals or all(type(r) in _PLAIN for r in residuals)):
-        return _gemm_impl(a, b, bias, residuals, activation, clamp_low, clamp_high, handle)
+        return _gemm_run(a, b, bias, residuals, activation, clamp_low, clamp_high, handle)
     return _gemm_op(a, b, bias, list(residuals), activation, clamp_low, clamp_high, handle)
 
 
@@ -1549,17 +1565,24 @@ def _remember(handle: int, t: torch.Tensor, key, out: torch.Tensor, grad: bool, 
         _registry_for(handle, t)._launches.put(key, _FastCall(*launch, out, grad, t, residuals))
 
 
-def _remembered(handle: int, a, b, bias, residuals: tuple, options: tuple, run, *args) -> torch.Tensor:
-    """run(*args), a launch on (a, b, bias, *residuals) in a recorded call's forward or backward pass (no gradient
-    recorded): the call remembered under these tensors' fingerprints and options where there is one, else run
-    itself, remembered when it launched one kernel on those tensors as given. Its entry never serves a call that
-    records a gradient (autograd must record that call)."""
+def _remembered(handle: int, a, b, bias, residuals: tuple, options: tuple, run, *args, grad: bool = True
+                ) -> torch.Tensor:
+    """run(*args), a launch on (a, b, bias, *residuals): the call remembered under these tensors' fingerprints and
+    options where there is one, else run itself, remembered when it launched one kernel on those tensors as given.
+    Callers: a recorded call's forward or backward pass, whose entry never serves a call that records a gradient
+    (grad True: autograd must record that call), and the operators' implementations, which a compiled graph's code
+    calls through the dispatcher every time (grad: whether an operand requires one, as for an eager call). The
+    options are the eager calls' (_conv, _matmul, the backward passes'): either's entry serves the other."""
     key, pointers = _fast_key(a, b, bias, residuals, options)
     if key is not None:
         out = _fast_call(handle, a, key, pointers)
         if out is not None:
             return out
-    return _run_remembering(handle, a, key, True, len(residuals), run, *args)
+    return _run_remembering(handle, a, key, grad, len(residuals), run, *args)
+
+
+def _requires_grad(*tensors) -> bool:
+    return any(t is not None and t.requires_grad for t in tensors)
 
 
 def _run_remembering(handle: int, first: torch.Tensor, key, grad: bool, residuals: int, run, *args) -> torch.Tensor:
@@ -1643,8 +1666,7 @@ def _matmul(a, b, bias, residuals: tuple, activation: str, low: float, high: flo
     if lead is not None:
         out = out.view(*lead, out.shape[-1])
     if key is not None and not grad:
-        _remember(handle, a, key, out, any(t is not None and t.requires_grad for t in (a, b, bias, *residuals)),
-                  len(residuals))
+        _remember(handle, a, key, out, _requires_grad(a, b, bias, *residuals), len(residuals))
     return out
 
 
@@ -1780,9 +1802,8 @@ def _conv(x, weight, bias, stride, dilation, lo, hi, groups: int, handle: int, g
                 return y
     if _any_autocast():
         x, weight, bias, *residuals = _autocast((x, weight, bias, *residuals))
-    grad = any(t is not None and t.requires_grad for t in (x, weight, bias, *residuals))
-    return _run_remembering(handle, x, key, grad, len(residuals), _conv_fwd, x, weight, bias, stride, dilation, lo, hi,
-                            groups, handle, geo, residuals, activation, clamp)
+    return _run_remembering(handle, x, key, _requires_grad(x, weight, bias, *residuals), len(residuals), _conv_fwd, x,
+                            weight, bias, stride, dilation, lo, hi, groups, handle, geo, residuals, activation, clamp)
 
 
 # -- patch / unpatch -----------------------------------------------------------------------------------------

@@ -902,6 +902,53 @@ def _count_remembered_launches(monkeypatch) -> list:
     return served
 
 
+def test_operator_calls_launch_remembered_calls_as_a_compiled_graph_makes_them(reg, monkeypatch):
+    """A compiled graph's code calls the operators through torch.ops on real tensors, every time: each of the four
+    launches, from its second call on new tensors of the same shapes, the call remembered by its first (one entry
+    each, under the key a patched or fused layer's eager call uses), and stays exact; an operand that requires a
+    gradient is still refused in grad mode, and its call remembered in no-grad mode serves no-grad calls only."""
+    h = tdt.register(reg)
+    reg.clear_caches()
+    served = _count_remembered_launches(monkeypatch)
+    geo = ([1, 1], [1, 1], [1, 1], [1, 1], 1)
+    ops = torch.ops.tiledispatch
+    for step in range(3):
+        a, b = rand(8, 16, seed=80 + step), rand(24, 16, seed=83 + step).t()
+        x = rand(2, 8, 6, 6, seed=86 + step).contiguous(memory_format=torch.channels_last)
+        w = rand(8, 8, 3, 3, seed=89 + step).contiguous(memory_format=torch.channels_last)
+        dy = rand(2, 8, 6, 6, seed=92 + step).contiguous(memory_format=torch.channels_last)
+        xd, wd, dyd = x.double().requires_grad_(), w.double().requires_grad_(), dy.double()
+        ref = F.conv2d(xd, wd, padding=1)
+        ref.backward(dyd)
+        assert rel_err(ops.gemm(a, b, None, [], "identity", -math.inf, math.inf, h), a.double() @ b.double()) < \
+            TOL[torch.float32]
+        assert rel_err(ops.conv_fwd(x, w, None, [], "identity", -math.inf, math.inf, *geo, h), ref) < TOL[torch.float32]
+        assert rel_err(ops.conv_bwd_data(dy, w, [6, 6], *geo, h), xd.grad) < GRAD_TOL[torch.float32]
+        assert rel_err(ops.conv_bwd_weight(x, dy, [3, 3], *geo, h), wd.grad) < GRAD_TOL[torch.float32]
+        assert len(served) == 4 * step, step
+    entries = [key[1][0] for key, entry in zip(reg._launches._entries, reg._launches.values())
+               if isinstance(entry, tdt._FastCall)]
+    assert sorted(entries) == ["bwd_data", "bwd_weight", "conv", "gemm"]
+    # a patched layer's eager call on the same tensors (the same key) takes the operator's entry
+    layer = nn.Conv2d(8, 8, 3, padding=1, bias=False).requires_grad_(False)
+    layer.weight = nn.Parameter(w, requires_grad=False)
+    tdt.patch(layer, reg)
+    assert rel_err(layer(x), ref) < TOL[torch.float32] and len(served) == 9
+    # an operand that requires a gradient (its fingerprint says so): refused in grad mode, call after call; in
+    # no-grad mode remembered by its first call, whose entry serves only no-grad calls
+    w_leaf = leaf(w)
+    for _ in range(2):
+        with pytest.raises(td.InvalidInputError, match="requires grad"):
+            ops.conv_fwd(x, w_leaf, None, [], "identity", -math.inf, math.inf, *geo, h)
+    with torch.no_grad():
+        for _ in range(2):
+            assert rel_err(ops.conv_fwd(x, w_leaf, None, [], "identity", -math.inf, math.inf, *geo, h), ref) < \
+                TOL[torch.float32]
+    with pytest.raises(td.InvalidInputError, match="requires grad"):
+        ops.conv_fwd(x, w_leaf, None, [], "identity", -math.inf, math.inf, *geo, h)
+    assert len(served) == 10
+
+
 @pytest.mark.parametrize("stride, autocast, route", [(1, None, "auto"), (2, None, "phases"), (2, None, "auto"),
                                                      (1, torch.bfloat16, "auto")])
 def test_training_calls_launch_every_direction_through_remembered_calls(reg, monkeypatch, stride, autocast, route):
