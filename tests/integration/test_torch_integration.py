@@ -1398,20 +1398,24 @@ def test_bench_host_overhead_runs_on_the_cpu(tmp_path, directions):
         assert {"tdt_conv_train", "torch_conv_train"} <= timed and "paths_skipped" not in problem
 
 
-def test_bench_models_runs_on_the_cpu(reg, tmp_path):
-    """bench/benchmarks/models.py end to end on the cpu backend (tiny sizes): the patched and fused models match eager
-    and the JSON holds the reports, the per-layer comparison and the host overhead."""
+def _bench_models_on_the_cpu(reg, out: Path, models: str, variants: str) -> dict:
+    """bench/benchmarks/models.py on the cpu backend (tiny sizes, --quick): its JSON."""
     import json
 
     bundle = Path(reg.kernels[0].path).parents[1]  # <bundle>/kernels/<kernel>.so
     env = {**os.environ, "PYTHONPATH": str(REPO / "runtime")}
     cmd = [sys.executable, str(REPO / "bench" / "benchmarks" / "models.py"), "--device", "cpu", "--tiny", "--quick",
-           "--bundle", str(bundle), "--models", "llama3_8b_decode8,convnext_tiny,mobilenet_v2,resnet50,resnet50_train",
-           "--variants", "eager,tiledispatch,fused",
-           "--out", str(tmp_path)]
+           "--bundle", str(bundle), "--models", models, "--variants", variants, "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads((tmp_path / "models_cpu_tiny.json").read_text())
+    return json.loads((out / "models_cpu_tiny.json").read_text())
+
+
+def test_bench_models_runs_on_the_cpu(reg, tmp_path):
+    """bench/benchmarks/models.py end to end on the cpu backend (tiny sizes): the patched and fused models match eager
+    and the JSON holds the reports, the per-layer comparison and the host overhead."""
+    result = _bench_models_on_the_cpu(reg, tmp_path, "llama3_8b_decode8,convnext_tiny,mobilenet_v2,resnet50,"
+                                      "resnet50_train", "eager,tiledispatch,fused")
     for case in ("llama3_8b_decode8", "convnext_tiny", "mobilenet_v2", "resnet50"):
         r = result["cases"][case]
         assert r["variants"]["tiledispatch"]["out_rel_err"] < 1e-5, r["variants"]
@@ -1436,6 +1440,17 @@ def test_bench_models_runs_on_the_cpu(reg, tmp_path):
     assert result["host_overhead"]["tiledispatch.torch.linear"]["median_us"] > 0
     assert set(result["host_overhead"]["registration"]) == {"python function", "Library define + impl",
                                                             "torch.library.custom_op"}
+
+
+def test_bench_models_compiles_the_fused_model_on_the_cpu(reg, tmp_path):
+    """models.py's fused_compile variant: torch.compile of the fused model (Inductor around the tiledispatch
+    operators) matches eager, and the fused variant need not run beside it."""
+    result = _bench_models_on_the_cpu(reg, tmp_path, "convnext_tiny", "eager,fused_compile")
+    variants = result["cases"]["convnext_tiny"]["variants"]
+    assert set(variants) == {"eager", "fused_compile"}, variants
+    assert variants["fused_compile"]["out_rel_err"] < 1e-5 and variants["fused_compile"]["out_within_tolerance"]
+    assert variants["fused_compile"]["speedup_vs_eager_paired"] > 0
+    assert result["cases"]["convnext_tiny"]["fuse_report"]["patch"]["unsupported"] == 0
 
 
 def test_bench_models_tolerance_is_eager_near_or_no_farther_from_float64():
