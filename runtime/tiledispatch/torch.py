@@ -1571,8 +1571,9 @@ def _remembered(handle: int, a, b, bias, residuals: tuple, options: tuple, run, 
     options where there is one, else run itself, remembered when it launched one kernel on those tensors as given.
     Callers: a recorded call's forward or backward pass, whose entry never serves a call that records a gradient
     (grad True: autograd must record that call), and the operators' implementations, which a compiled graph's code
-    calls through the dispatcher every time (grad: whether an operand requires one, as for an eager call). The
-    options are the eager calls' (_conv, _matmul, the backward passes'): either's entry serves the other."""
+    calls through the dispatcher every time (grad: whether an operand requires one, as for an eager call). Their
+    options are those of the eager calls that hold a _Geometry (patched and fused layers, _matmul, the backward
+    passes), so an entry either of them made serves the other."""
     key, pointers = _fast_key(a, b, bias, residuals, options)
     if key is not None:
         out = _fast_call(handle, a, key, pointers)
