@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import re
 import sys
 from collections import defaultdict
@@ -117,7 +118,7 @@ def main() -> None:
                   f"{s['kernels_per_iter']:.0f} kernels: " + ", ".join(f"{c} {v['us']:.0f}"
                                                                        for c, v in s["classes"].items()), flush=True)
         result["models"][case] = {"model": what, "input": list(shape), "variants": variants}
-    out = Path(a.out or __import__("os").environ.get("OUT") or mb.ROOT / "bench" / "results")
+    out = Path(a.out or os.environ.get("OUT") or mb.ROOT / "bench" / "results")
     out.mkdir(parents=True, exist_ok=True)
     (out / "model_kernels.json").write_text(json.dumps(result, indent=1) + "\n")
 

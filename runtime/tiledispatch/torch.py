@@ -267,9 +267,9 @@ def _gemm_out_dtype(a: torch.Tensor) -> torch.dtype:
 
 def _gemm_impl(a, b, bias, residuals, activation, clamp_low, clamp_high, registry):
     residuals = tuple(residuals)
+    grad = _requires_grad(a, b, bias, *residuals)
     return _remembered(registry, a, b, bias, residuals, ("gemm", activation, clamp_low, clamp_high), _gemm_run, a, b,
-                       bias, residuals, activation, clamp_low, clamp_high, registry, grad=_requires_grad(a, b, bias,
-                                                                                                     *residuals))
+                       bias, residuals, activation, clamp_low, clamp_high, registry, grad=grad)
 
 
 def _gemm_run(a, b, bias, residuals, activation, clamp_low, clamp_high, registry):
@@ -683,12 +683,11 @@ def _conv_fwd_impl(x, w, bias, residuals, activation, clamp_low, clamp_high, str
                    registry):
     geo = _geometry(stride, dilation, pad_lo, pad_hi, groups)
     residuals, clamp = tuple(residuals), (clamp_low, clamp_high)
-    grad = _requires_grad(x, w, bias, *residuals)
+    options, grad = ("conv", activation, clamp, geo), _requires_grad(x, w, bias, *residuals)
     if bias is None and not residuals and activation == "identity":
-        return _remembered(registry, x, w, None, (), ("conv", activation, clamp, geo), _conv_fwd_run, x, w, geo,
-                           registry, grad=grad)
-    return _remembered(registry, x, w, bias, residuals, ("conv", activation, clamp, geo), _conv_fwd_epilogue_run, x, w,
-                       bias, residuals, activation, clamp, geo, registry, grad=grad)
+        return _remembered(registry, x, w, None, (), options, _conv_fwd_run, x, w, geo, registry, grad=grad)
+    return _remembered(registry, x, w, bias, residuals, options, _conv_fwd_epilogue_run, x, w, bias, residuals,
+                       activation, clamp, geo, registry, grad=grad)
 
 
 def _conv_fwd_run(x, w, geo: _Geometry, handle: int):
@@ -1572,8 +1571,8 @@ def _remembered(handle: int, a, b, bias, residuals: tuple, options: tuple, run, 
     Callers: a recorded call's forward or backward pass, whose entry never serves a call that records a gradient
     (grad True: autograd must record that call), and the operators' implementations, which a compiled graph's code
     calls through the dispatcher every time (grad: whether an operand requires one, as for an eager call). Their
-    options are those of the eager calls that hold a _Geometry (patched and fused layers, _matmul, the backward
-    passes), so an entry either of them made serves the other."""
+    options are those of _matmul and of the conv calls that hold a _Geometry (patched and fused layers, the
+    backward passes), so an entry either of them made serves the other."""
     key, pointers = _fast_key(a, b, bias, residuals, options)
     if key is not None:
         out = _fast_call(handle, a, key, pointers)
