@@ -9,6 +9,9 @@ cuDNN's.
         [--out DIR]    # DIR/depthwise_probe_<direction>_<gpu>.json, written after every layer
 
 --selected-only times cuDNN and the selected kernel only (a large bundle, e.g. the models benchmark's).
+--epilogue clamp (fwd): every call adds a bias and clamps to [0, 6] (a folded batch norm and ReLU6, MobileNetV2's
+depthwise layers as tiledispatch.torch.fuse runs them) on the kernels that fuse it; cuDNN's side is its conv followed
+by PyTorch's bias add and clamp. --models a,b keeps the layers of those models.
 
 Why: MobileNetV2's depthwise layers on 14 x 14 and 7 x 7 maps took 0.18-0.30x cuDNN's time in the models benchmark
 (bench/results/channel_padding_align4_h200), and the essential set's compile-time-filter kernels (32- and 28-wide
@@ -32,12 +35,15 @@ from models import rel_err  # noqa: E402
 from stem_probe import graph_ms, setup, time_kernels  # noqa: E402
 import tiledispatch as td  # noqa: E402
 import tiledispatch.torch as tdt  # noqa: E402
-from tiledispatch.ops.conv import ConvProblem  # noqa: E402
+from tiledispatch.ops.conv import ConvProblem, Epilogue  # noqa: E402
 
 SUITE = Path(__file__).resolve().parents[1] / "suites" / "conv.json"
 TIMER = models.Timer("cuda", rounds=3, target_ms=3)  # shorter than stem_probe's: 191 layers x ~10 kernels
 OPTIONS = {"--direction": {"choices": ("fwd", "bwd_data"), "default": "fwd"},
-           "--selected-only": {"action": "store_true", "help": "time cuDNN and the selected kernel only"}}
+           "--selected-only": {"action": "store_true", "help": "time cuDNN and the selected kernel only"},
+           "--epilogue": {"choices": ("identity", "clamp"), "default": "identity",
+                          "help": "fwd: clamp = bias + clamp(0, 6) fused (folded batch norm + ReLU6)"},
+           "--models": {"default": "", "help": "comma-separated: only the layers these models use"}}
 
 
 def depthwise_layers(direction: str) -> list[dict]:
@@ -48,24 +54,34 @@ def depthwise_layers(direction: str) -> list[dict]:
 
 def main() -> None:
     a, reg, gen, results = setup(__doc__, "layers", OPTIONS)
-    results["direction"] = a.direction
+    results["direction"], results["epilogue"] = a.direction, a.epilogue
+    if a.epilogue != "identity" and a.direction != "fwd":
+        raise SystemExit("--epilogue: fused epilogues are forward only")
+    wanted = set(filter(None, a.models.split(",")))
     for ly in depthwise_layers(a.direction):
+        if wanted and not wanted & set(ly["uses"]):
+            continue
         n, c, size, f = ly["n"], ly["c"], tuple(ly["in_size"]), tuple(ly["filter"])
         s, d, pad = tuple(ly["stride"]), tuple(ly["dilation"]), tuple(ly["pad_lo"])
         geometry = {"stride": s, "padding": pad, "dilation": d, "groups": c}
         x = tdt._channels_last(gc.random_tensor((n, c, *size), "fp16", gen))
         w = tdt._channels_last(gc.random_tensor((c, 1, *f), "fp16", gen))
         if a.direction == "fwd":
-            ref = F.conv2d(x.float(), w.float(), **geometry)
+            bias = gc.random_tensor((c,), "fp16", gen) if a.epilogue == "clamp" else None
+            fused = {"bias": bias, "activation": "clamp", "clamp": (0.0, 6.0)} if bias is not None else {}
+            ref = F.conv2d(x.float(), w.float(), bias.float() if bias is not None else None, **geometry)
+            if bias is not None:
+                ref = ref.clamp(0.0, 6.0)
 
             def peer():
-                return F.conv2d(x, w, **geometry)
+                y = F.conv2d(x, w, bias, **geometry)
+                return y.clamp_(0.0, 6.0) if bias is not None else y
 
             def selected():
-                return tdt.conv(x, w, registry=reg, **geometry)
+                return tdt.conv(x, w, registry=reg, **fused, **geometry)
 
             def run(kernel, out):
-                reg.conv_fwd(x, w, out=out, kernel=kernel, **geometry)
+                reg.conv_fwd(x, w, out=out, kernel=kernel, **fused, **geometry)
         else:
             dy = tdt._channels_last(gc.random_tensor(tuple(F.conv2d(x, w, **geometry).shape), "fp16", gen))
             ref = torch.nn.grad.conv2d_input(x.shape, w.float(), dy.float(), **geometry)
@@ -80,7 +96,9 @@ def main() -> None:
             def selected():
                 run(None, dx)
                 return dx
-        problem = ConvProblem(a.direction, n, c, c, c, size, f, s, d, pad, pad, "fp16", "fp16", "fp16")
+        epilogue = Epilogue("clamp", True, 0) if a.epilogue == "clamp" else Epilogue()
+        problem = ConvProblem(a.direction, n, c, c, c, size, f, s, d, pad, pad, "fp16", "fp16", "fp16",
+                              epilogue=epilogue)
         row = {"uses": ly["uses"], "cudnn_ms": graph_ms(peer, TIMER), "kernels": {}}
         try:
             y = selected()
@@ -97,7 +115,8 @@ def main() -> None:
         print(f"{ly['id']:52s} cuDNN {row['cudnn_ms'] * 1e3:7.1f} us  selected {sel * 1e3:7.1f}  best "
               f"{best * 1e3:7.1f} ({(row['best_kernel'] or '-')[:60]})", flush=True)
         # after every layer, so that a run cut short keeps its rows
-        gc.write_results(results, a.out, f"depthwise_probe_{a.direction}")
+        suffix = "" if a.epilogue == "identity" else f"_{a.epilogue}"
+        gc.write_results(results, a.out, f"depthwise_probe_{a.direction}{suffix}")
 
 
 if __name__ == "__main__":
