@@ -706,9 +706,10 @@ def _conv_fwd_run(x, w, geo: _Geometry, handle: int):
 
 def _conv_fwd_epilogue_run(x, w, bias, residuals, activation: str, clamp: tuple, geo: _Geometry, handle: int):
     """act(conv(x, w) + bias + sum(residuals)) on the bundle: one call of a conv kernel fusing that epilogue where
-    one runs the problem; for a pointwise problem, else one call of a GEMM kernel fusing it (as ops/conv_as_gemm.py
-    lowers the plain problem); else the plain conv kernel with bias and residuals added through beta * Y (Y
-    holding their sum first) and the activation applied by torch, in place."""
+    one runs the problem and is not rated far slower than the plain kernel (_conv_route); for a pointwise problem,
+    else one call of a GEMM kernel fusing it (as ops/conv_as_gemm.py lowers the plain problem); else the plain conv
+    kernel with bias and residuals added through beta * Y (Y holding their sum first) and the activation applied by
+    torch, in place."""
     dtype = x.dtype
     for role, t in (("w", w), ("bias", bias), *((f"residual {i}", r) for i, r in enumerate(residuals))):
         if t is not None and t.dtype != dtype:
@@ -761,8 +762,9 @@ _CONV_ROUTES: dict = {}  # (handle, dtype, shapes, geometry, epilogue) -> "conv"
 
 def _conv_route(handle: int, x, w, geo: _Geometry, activation: str, bias: bool, residuals: int) -> Optional[str]:
     """How a conv with this epilogue runs (cached per problem): "conv" where a conv kernel of the bundle fusing it
-    runs the problem (its can-run answer); "gemm" for a pointwise dense problem whose GEMM (pixels x channels)
-    a GEMM kernel runs with the epilogue (bias and residuals fused or through beta * C, the activation fused);
+    runs the problem (its can-run answer) and is not rated far slower than the plain kernel (_fusing_pays);
+    "gemm" for a pointwise dense problem whose GEMM (pixels x channels) a GEMM kernel runs with the epilogue (bias
+    and residuals fused or through beta * C, the activation fused);
     None: the plain conv kernel, bias and residuals through beta * Y, torch's activation."""
     key = (handle, x.dtype, x.shape, w.shape, geo.stride, geo.dilation, geo.pad_lo, geo.pad_hi, geo.groups,
            activation, bias, residuals)
@@ -777,7 +779,7 @@ def _conv_route(handle: int, x, w, geo: _Geometry, activation: str, bias: bool, 
         except InvalidInputError:  # shapes the plain path's checks refuse, with their own message
             problem = None
         if problem is not None and (geo.rank, dtype, activation, bias, residuals) in _CAPS[handle].conv_epilogues \
-                and registry_of(handle).supports(problem):
+                and registry_of(handle).supports(problem) and _fusing_pays(registry_of(handle), problem):
             route = "conv"
         elif problem is not None and conv_as_gemm.applies(problem):
             pixels = problem.n * math.prod(problem.in_size)
@@ -789,6 +791,26 @@ def _conv_route(handle: int, x, w, geo: _Geometry, activation: str, bias: bool, 
             _CONV_ROUTES.clear()
         _CONV_ROUTES[key] = route
     return route
+
+
+# Fusing an epilogue saves the passes over Y that the unfused route makes (bias written into Y first, the activation
+# after); a fused kernel rated (selection.estimated_cost) above this many times the plain kernel is not taken.
+# Such kernels are a set's fallbacks: a depthwise 7x7 conv with bias + clamp, which the essential set fuses only on
+# 3x3 tiles, selected the generic implicit GEMM (rated over 100x the plain direct kernel) and ran 26-58x slower
+# than the plain kernel followed by torch's bias add and clamp (bench/results/depthwise_epilogue_h200).
+_FUSED_COST_LIMIT = 2.0
+
+
+def _fusing_pays(reg: Registry, problem: ConvProblem) -> bool:
+    """Whether the kernel selected for the problem with its epilogue is rated (selection.estimated_cost) at most
+    _FUSED_COST_LIMIT times the kernel selected for the plain problem (True where no kernel runs that). A pointwise
+    problem that reg.conv_fwd runs on the GEMM kernels (ops/conv_as_gemm.py), fused there, is not rated by its conv
+    kernels: True."""
+    if conv_as_gemm.applies(problem) and "gemm" in reg.ops:
+        return True
+    fused = _selected_cost(reg, problem)
+    plain = _selected_cost(reg, replace(problem, epilogue=_PLAIN_EPILOGUE))
+    return plain is None or fused <= _FUSED_COST_LIMIT * plain
 
 
 def _pointwise_gemm(reg, handle: int, x, w, bias, residuals, activation: str, clamp: tuple, y, in_place: bool):

@@ -326,6 +326,27 @@ def test_fused_conv_kernels_run_the_whole_epilogue(fused_reg, monkeypatch, activ
     assert not calls  # no fused call was attempted
 
 
+def test_a_fused_kernel_rated_far_slower_than_the_plain_one_is_not_taken(fused_reg, monkeypatch):
+    """Where the cost model rates the kernel fusing the epilogue above twice the plain kernel (a set's fallback
+    kernel, as a depthwise 7x7 with a clamp met on the cutlass essential set), the conv runs on the plain kernel
+    with the bias through beta * Y and torch's activation; where it rates them alike, on the fused kernel."""
+    from tiledispatch import selection
+
+    x, w, b, _, geo = _conv_inputs(seed=40)
+    ref = F.silu(F.conv2d(x.double(), w.double(), b.double(), **geo))
+    rated = selection.estimated_cost
+    for slowdown, fused_call in ((1.5, True), (3.0, False)):
+        monkeypatch.setattr(selection, "estimated_cost", lambda problem, key: rated(problem, key) * (
+            slowdown if key.signature.epilogue.activation != "identity" else 1.0))
+        monkeypatch.setattr(tdt, "_CONV_ROUTES", {})
+        fused_reg.clear_caches()
+        calls = _conv_fwd_calls(monkeypatch)
+        out = tdt.conv(x, w, b, registry=fused_reg, activation="silu", **geo)
+        assert rel_err(out, ref) < TOL, slowdown
+        assert list(tdt._CONV_ROUTES.values()) == (["conv"] if fused_call else [None]), slowdown
+        assert [c["activation"] for c in calls] == (["silu"] if fused_call else []), slowdown  # plain: conv_op.run
+
+
 # -- fuse(): small models shaped like the real ones ------------------------------------------------------------
 class BasicBlock(nn.Module):
     """torchvision's ResNet BasicBlock: out = relu(bn2(conv2(relu(bn1(conv1(x))))) + downsample(x))."""
