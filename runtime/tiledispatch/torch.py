@@ -795,9 +795,9 @@ def _conv_route(handle: int, x, w, geo: _Geometry, activation: str, bias: bool, 
 
 # Fusing an epilogue saves the passes over Y that the unfused route makes (bias written into Y first, the activation
 # after); a fused kernel rated (selection.estimated_cost) above this many times the plain kernel is not taken.
-# Such kernels are a set's fallbacks: a depthwise 7x7 conv with bias + clamp, which the essential set fuses only on
-# 3x3 tiles, selected the generic implicit GEMM (rated over 100x the plain direct kernel) and ran 26-58x slower
-# than the plain kernel followed by torch's bias add and clamp (bench/results/depthwise_epilogue_h200).
+# Such kernels are a set's fallbacks: before the essential set fused a clamp on its 7x7 depthwise tiles, a depthwise
+# 7x7 conv with bias + clamp selected the generic implicit GEMM (rated over 100x the plain direct kernel) and ran
+# 26-58x slower than the plain kernel followed by torch's bias add and clamp (bench/results/depthwise_epilogue_h200).
 _FUSED_COST_LIMIT = 2.0
 
 

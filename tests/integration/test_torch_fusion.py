@@ -328,8 +328,9 @@ def test_fused_conv_kernels_run_the_whole_epilogue(fused_reg, monkeypatch, activ
 
 def test_a_fused_kernel_rated_far_slower_than_the_plain_one_is_not_taken(fused_reg, monkeypatch):
     """Where the cost model rates the kernel fusing the epilogue above twice the plain kernel (a set's fallback
-    kernel, as a depthwise 7x7 with a clamp met on the cutlass essential set), the conv runs on the plain kernel
-    with the bias through beta * Y and torch's activation; where it rates them alike, on the fused kernel."""
+    kernel, as a depthwise 7x7 with a clamp met on the cutlass essential set before its 7x7 tiles fused one), the
+    conv runs on the plain kernel with the bias through beta * Y and torch's activation; where it rates them alike,
+    on the fused kernel."""
     from tiledispatch import selection
 
     x, w, b, _, geo = _conv_inputs(seed=40)
