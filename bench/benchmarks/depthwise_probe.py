@@ -69,7 +69,7 @@ def main() -> None:
         w = tdt._channels_last(gc.random_tensor((c, 1, *f), "fp16", gen))
         if a.direction == "fwd":
             bias = gc.random_tensor((c,), "fp16", gen) if a.epilogue == "clamp" else None
-            fused = {"bias": bias, "activation": "clamp", "clamp": (0.0, 6.0)} if bias is not None else {}
+            epilogue_args = {"bias": bias, "activation": "clamp", "clamp": (0.0, 6.0)} if bias is not None else {}
             ref = F.conv2d(x.float(), w.float(), bias.float() if bias is not None else None, **geometry)
             if bias is not None:
                 ref = ref.clamp(0.0, 6.0)
@@ -79,10 +79,10 @@ def main() -> None:
                 return y.clamp_(0.0, 6.0) if bias is not None else y
 
             def selected():
-                return tdt.conv(x, w, registry=reg, **fused, **geometry)
+                return tdt.conv(x, w, registry=reg, **epilogue_args, **geometry)
 
             def run(kernel, out):
-                reg.conv_fwd(x, w, out=out, kernel=kernel, **fused, **geometry)
+                reg.conv_fwd(x, w, out=out, kernel=kernel, **epilogue_args, **geometry)
         else:
             dy = tdt._channels_last(gc.random_tensor(tuple(F.conv2d(x, w, **geometry).shape), "fp16", gen))
             ref = torch.nn.grad.conv2d_input(x.shape, w.float(), dy.float(), **geometry)
