@@ -103,9 +103,10 @@ def main() -> None:
         row = {"uses": ly["uses"], "cudnn_ms": graph_ms(peer, TIMER), "kernels": {}}
         try:
             y = selected()
-            # the kernel the call runs: tdt.conv leaves a fused kernel rated far slower than the plain one (then
-            # torch adds the bias and clamps)
-            fuses = a.epilogue != "identity" and tdt._fusing_pays(reg, problem)
+            # the kernel the call runs: the route tdt.conv took (a fused kernel rated far slower than the plain
+            # one is left, and torch adds the bias and clamps)
+            fuses = a.epilogue != "identity" and tdt._conv_route(
+                tdt.register(reg), x, w, tdt._geometry(s, d, pad, pad, c), "clamp", True, 0) == "conv"
             row["selected"] = {"ms": graph_ms(selected, TIMER), "rel_err": rel_err(y, ref), "fused_epilogue": fuses,
                                "kernel": reg.select(problem if fuses else replace(problem, epilogue=Epilogue())).name}
         except td.TileDispatchError as e:

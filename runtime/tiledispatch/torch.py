@@ -778,8 +778,9 @@ def _conv_route(handle: int, x, w, geo: _Geometry, activation: str, bias: bool, 
                                   dtype, epilogue=Epilogue(activation, bias, residuals))
         except InvalidInputError:  # shapes the plain path's checks refuse, with their own message
             problem = None
+        reg = registry_of(handle)
         if problem is not None and (geo.rank, dtype, activation, bias, residuals) in _CAPS[handle].conv_epilogues \
-                and registry_of(handle).supports(problem) and _fusing_pays(registry_of(handle), problem):
+                and reg.supports(problem) and _fusing_pays(reg, problem):
             route = "conv"
         elif problem is not None and conv_as_gemm.applies(problem):
             pixels = problem.n * math.prod(problem.in_size)
@@ -806,7 +807,7 @@ def _fusing_pays(reg: Registry, problem: ConvProblem) -> bool:
     _FUSED_COST_LIMIT times the kernel selected for the plain problem (True where no kernel runs that). A pointwise
     problem that reg.conv_fwd runs on the GEMM kernels (ops/conv_as_gemm.py), fused there, is not rated by its conv
     kernels: True."""
-    if conv_as_gemm.applies(problem) and "gemm" in reg.ops:
+    if _lowered_to_gemm(reg, problem):
         return True
     fused = _selected_cost(reg, problem)
     plain = _selected_cost(reg, replace(problem, epilogue=_PLAIN_EPILOGUE))
@@ -2099,11 +2100,17 @@ def _conv_kernels(handle: int, module, state: dict, x: torch.Tensor, training: b
     return kernels
 
 
+def _lowered_to_gemm(reg: Registry, problem: ConvProblem) -> bool:
+    """Whether reg.conv_fwd / conv_bwd_data try the problem first as a GEMM over the bundle's GEMM kernels
+    (ops/conv_as_gemm.py: a pointwise dense problem, a bundle with GEMM kernels)."""
+    return conv_as_gemm.applies(problem) and "gemm" in reg.ops
+
+
 def _conv_kernel_name(handle: int, problem: ConvProblem) -> str:
     """The kernel reg.conv_fwd / conv_bwd_data choose: a pointwise dense problem first as a GEMM over the
     bundle's GEMM kernels (ops/conv_as_gemm.py), else a conv kernel."""
     reg = registry_of(handle)
-    if conv_as_gemm.applies(problem) and "gemm" in reg.ops:
+    if _lowered_to_gemm(reg, problem):
         pixels = problem.n * math.prod(problem.in_size)
         if problem.direction == "fwd":
             gemm = GemmProblem(pixels, problem.k, problem.c, problem.dtype_x, problem.dtype_w, problem.dtype_y, "rcr")
