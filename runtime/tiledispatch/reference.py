@@ -131,6 +131,9 @@ ACTIVATIONS = {  # name -> f(v, clamp low, clamp high); spec/key.py takes its ac
     "sigmoid": lambda v, lo, hi: 1.0 / (1.0 + np.exp(-v)),
     "tanh": lambda v, lo, hi: np.tanh(v),
     "clamp": lambda v, lo, hi: np.clip(v, lo, hi),
+    # where(), not v * clip(v + 3, 0, 6) / 6: -inf gives 0 as the kernels do, not -inf * 0
+    "hardswish": lambda v, lo, hi: np.where(v + 3.0 <= 0.0, 0.0, np.where(v + 3.0 >= 6.0, v, v * (v + 3.0) / 6.0)),
+    "hardsigmoid": lambda v, lo, hi: np.clip((v + 3.0) / 6.0, 0.0, 1.0),
 }
 
 

@@ -1218,6 +1218,10 @@ TORCH_ACTIVATIONS = {
                  lambda g, out, pre, c: torch.ops.aten.gelu_backward(g, pre)),
     "silu": (lambda y, c: F.silu(y), lambda y, c: torch.ops.aten.silu_(y),
              lambda g, out, pre, c: torch.ops.aten.silu_backward(g, pre)),
+    "hardswish": (lambda y, c: F.hardswish(y), lambda y, c: torch.ops.aten.hardswish_(y),
+                  lambda g, out, pre, c: torch.ops.aten.hardswish_backward(g, pre)),
+    "hardsigmoid": (lambda y, c: F.hardsigmoid(y), lambda y, c: torch.ops.aten.hardsigmoid_(y),
+                    lambda g, out, pre, c: g * ((out > 0) & (out < 1)) / 6),
 }
 
 
@@ -1233,7 +1237,7 @@ def _activation_grad(g, out, pre, activation: str, clamp: tuple):
     return _activation_ops(activation)[2](g, out, pre, clamp)
 
 
-_NEEDS_PRE = ("gelu_tanh", "gelu_erf", "silu")
+_NEEDS_PRE = ("gelu_tanh", "gelu_erf", "silu", "hardswish")
 
 
 def _grad_in_layout_of(t: torch.Tensor, lhs, rhs, handle: int) -> torch.Tensor:

@@ -238,6 +238,8 @@ def _function_activation(node: fx.Node):
         return "sigmoid", NO_CLAMP
     if f in (torch.tanh, F.tanh) and len(node.args) == 1 and not node.kwargs:
         return "tanh", NO_CLAMP
+    if f in (F.hardswish, F.hardsigmoid) and len(node.args) <= 2 and not extra:
+        return f.__name__, NO_CLAMP
     return None
 
 
@@ -264,6 +266,8 @@ def _activation_of(node: fx.Node, cur: fx.Node, modules: dict):
             return "sigmoid", NO_CLAMP
         if kind is nn.Tanh:
             return "tanh", NO_CLAMP
+        if kind in (nn.Hardswish, nn.Hardsigmoid):
+            return kind.__name__.lower(), NO_CLAMP
         return None
     if node.op == "call_function":
         return _function_activation(node)

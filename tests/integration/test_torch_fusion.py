@@ -69,7 +69,7 @@ groups:
     mma: [4, 16, 1]
     epilogue:
       - {activation: identity, bias: true}
-      - {activation: [relu, silu], bias: true}
+      - {activation: [relu, silu, hardswish, hardsigmoid], bias: true}
       - {activation: relu, bias: true, residuals: 1}
 """
 TOL = 1e-5       # float32 kernels against float64 (the kernels' validation tolerance)
@@ -165,7 +165,7 @@ def test_gemm_route_falls_back_to_beta_c_where_the_bias_kernel_cannot_run(reg, m
 # -- conv epilogues: the fallback (no fused conv kernels in this bundle) -------------------------------------------
 TORCH_ACT = {"identity": lambda v: v, "relu": torch.relu, "clamp": lambda v: v.clamp(-0.3, 0.4),
              "sigmoid": torch.sigmoid, "tanh": torch.tanh, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh"),
-             "gelu_erf": F.gelu, "silu": F.silu}
+             "gelu_erf": F.gelu, "silu": F.silu, "hardswish": F.hardswish, "hardsigmoid": F.hardsigmoid}
 
 
 def _conv_inputs(seed=0):
@@ -302,7 +302,7 @@ def test_a_bias_gradient_from_the_native_backward_plan(fused_reg, monkeypatch):
 
 
 @pytest.mark.parametrize("activation,residual", [("identity", False), ("relu", False), ("silu", False),
-                                                 ("relu", True)])
+                                                 ("hardswish", False), ("hardsigmoid", False), ("relu", True)])
 def test_fused_conv_kernels_run_the_whole_epilogue(fused_reg, monkeypatch, activation, residual):
     calls = _conv_fwd_calls(monkeypatch)
     x, w, b, r, geo = _conv_inputs(seed=11)
