@@ -4,8 +4,9 @@
     python bench/benchmarks/models.py --device cpu --tiny --bundle BUNDLE      # the same code on the cpu backend
 
 Cases: a torchvision ResNet-50 training step (forward + backward, batch 32, 224^2, channels_last), ResNet-50,
-MobileNetV2 and ConvNeXt-T inference (batch 32), and the seven linear layers of a Llama-3-8B decoder layer (hidden 4096,
-q 4096, kv 1024, intermediate 14336; no bias) at prefill (2048 tokens) and decode (batch 1, 8, 32). The
+MobileNetV2, ConvNeXt-T, EfficientNet-B0, MnasNet 1.0 and MobileNetV3-Large inference (batch 32), and the seven
+linear layers of a Llama-3-8B decoder layer (hidden 4096, q 4096, kv 1024, intermediate 14336; no bias) at prefill
+(2048 tokens) and decode (batch 1, 8, 32). The
 models run in half precision on the GPU (--dtype), float32 on the CPU. Variants, each run eagerly and captured
 in a CUDA graph (GPU only; a capture that fails is recorded as such, with its error): PyTorch eager
 (cudnn.benchmark), torch.compile (Inductor, default mode), the model patched with tiledispatch (tiledispatch),
@@ -60,8 +61,8 @@ from tiledispatch import backends  # noqa: E402
 
 LLAMA = {"hidden": 4096, "q": 4096, "kv": 1024, "intermediate": 14336}
 TINY_LLAMA = {"hidden": 64, "q": 64, "kv": 16, "intermediate": 160}
-CASES = ("resnet50_train", "resnet50", "mobilenet_v2", "convnext_tiny", "llama3_8b_prefill2048",
-         "llama3_8b_decode1", "llama3_8b_decode8", "llama3_8b_decode32")
+CASES = ("resnet50_train", "resnet50", "mobilenet_v2", "convnext_tiny", "efficientnet_b0", "mnasnet1_0",
+         "mobilenet_v3_large", "llama3_8b_prefill2048", "llama3_8b_decode1", "llama3_8b_decode8", "llama3_8b_decode32")
 VARIANTS = ("eager", "compile", "tiledispatch", "fused", "fused_compile")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -134,6 +135,57 @@ def tiny_convnext() -> nn.Module:
                          TinyConvNeXtBlock(64), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
 
 
+class TinySqueezeExcite(nn.Module):
+    """Squeeze-and-excitation as EfficientNet and MobileNetV3 have it: pooled channels through two 1x1 convs (with
+    bias) and a gate, which scales the input per channel."""
+
+    def __init__(self, c: int, squeeze: int, act, gate):
+        super().__init__()
+        self.pool, self.fc1, self.act = nn.AdaptiveAvgPool2d(1), nn.Conv2d(c, squeeze, 1), act()
+        self.fc2, self.gate = nn.Conv2d(squeeze, c, 1), gate()
+
+    def forward(self, x):
+        return x * self.gate(self.fc2(self.act(self.fc1(self.pool(x)))))
+
+
+class TinyMBConv(nn.Module):
+    """An inverted residual block of the MobileNetV3 / EfficientNet / MnasNet kind: pointwise expansion, a k x k
+    depthwise conv, optional squeeze-and-excitation, pointwise projection, a residual where the shape allows."""
+
+    def __init__(self, c_in: int, c_out: int, expand: int, k: int, stride: int, act, se: Optional[tuple] = None):
+        super().__init__()
+        e = c_in * expand
+        expansion = [nn.Conv2d(c_in, e, 1, bias=False), nn.BatchNorm2d(e), act()] if expand != 1 else []
+        self.body = nn.Sequential(*expansion, nn.Conv2d(e, e, k, stride=stride, padding=k // 2, groups=e, bias=False),
+                                  nn.BatchNorm2d(e), act())
+        self.se = TinySqueezeExcite(e, max(1, c_in // 4), *se) if se is not None else nn.Identity()
+        self.project = nn.Sequential(nn.Conv2d(e, c_out, 1, bias=False), nn.BatchNorm2d(c_out))
+        self.residual = stride == 1 and c_in == c_out
+
+    def forward(self, x):
+        y = self.project(self.se(self.body(x)))
+        return x + y if self.residual else y
+
+
+def tiny_mbconv_net(act, se: Optional[tuple], kernels: tuple) -> nn.Module:
+    """A stem, three inverted residual blocks with the given depthwise kernel sizes (the last two at one width, so
+    one has a residual), a 1x1 head and a classifier. se: the squeeze-excitation's (activation, gate), or None."""
+    k1, k2, k3 = kernels
+    return nn.Sequential(nn.Conv2d(3, 16, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(16), act(),
+                         TinyMBConv(16, 16, 1, k1, 1, act, se), TinyMBConv(16, 24, 4, k2, 2, act, se),
+                         TinyMBConv(24, 24, 4, k3, 1, act, se), nn.Conv2d(24, 64, 1, bias=False),
+                         nn.BatchNorm2d(64), act(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
+
+
+TINY_MODELS = {"resnet50": tiny_resnet, "mobilenet_v2": tiny_mobilenet, "convnext_tiny": tiny_convnext,
+               # EfficientNet: SiLU, sigmoid-gated squeeze-excitation, 3x3 and 5x5 depthwise
+               "efficientnet_b0": lambda: tiny_mbconv_net(nn.SiLU, (nn.SiLU, nn.Sigmoid), (3, 5, 5)),
+               # MnasNet: ReLU, no squeeze-excitation, 3x3 and 5x5 depthwise
+               "mnasnet1_0": lambda: tiny_mbconv_net(nn.ReLU, None, (3, 5, 3)),
+               # MobileNetV3: hard-swish, squeeze-excitation with ReLU and a hard-sigmoid gate
+               "mobilenet_v3_large": lambda: tiny_mbconv_net(nn.Hardswish, (nn.ReLU, nn.Hardsigmoid), (3, 5, 3))}
+
+
 def build(case: str, tiny: bool, vision) -> tuple[nn.Module, tuple, bool, str]:
     """(model, input shape, training, what the model is)."""
     if case.startswith("llama"):
@@ -143,12 +195,10 @@ def build(case: str, tiny: bool, vision) -> tuple[nn.Module, tuple, bool, str]:
         return LlamaLinears(d), (tokens, d["hidden"]), False, what
     batch, size = (2, 32) if tiny else (32, 224)
     if vision is not None and not tiny:
-        model = {"resnet50_train": vision.resnet50, "resnet50": vision.resnet50, "mobilenet_v2": vision.mobilenet_v2,
-                 "convnext_tiny": vision.convnext_tiny}[case]()
+        model = getattr(vision, case.replace("_train", ""))()
         what = f"torchvision {case.replace('_train', '')}"
     else:
-        model = {"resnet50_train": tiny_resnet, "resnet50": tiny_resnet, "mobilenet_v2": tiny_mobilenet,
-                 "convnext_tiny": tiny_convnext}[case]()
+        model = TINY_MODELS[case.replace("_train", "")]()
         what = f"stand-in for {case} (tiny{'' if vision is not None else ', torchvision not installed'})"
     return model, (batch, 3, size, size), case.endswith("_train"), what
 

@@ -69,7 +69,7 @@ groups:
     tile: [96, 256, 256]
     mma: [8, 32, 1]
     epilogue:
-      - {activation: [relu, gelu_tanh, silu, sigmoid, tanh, clamp], bias: true}
+      - {activation: [relu, gelu_tanh, silu, sigmoid, tanh, clamp, hardswish, hardsigmoid], bias: true}
       - {activation: identity, residuals: 1}
 """
 # max ||out - ref|| / ||ref||: the kernels' validation tolerance; gradients pass through two GEMMs or
@@ -139,7 +139,8 @@ def test_linear_grads_match_torch_autograd(reg, dtype):
 
 
 TORCH_ACT = {"relu": torch.relu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh"), "silu": F.silu,
-             "sigmoid": torch.sigmoid, "tanh": torch.tanh, "clamp": lambda v: v.clamp(-0.3, 0.4)}
+             "sigmoid": torch.sigmoid, "tanh": torch.tanh, "clamp": lambda v: v.clamp(-0.3, 0.4),
+             "hardswish": F.hardswish, "hardsigmoid": F.hardsigmoid}
 
 
 @pytest.mark.parametrize("activation", list(TORCH_ACT))
@@ -1440,6 +1441,24 @@ def test_bench_models_runs_on_the_cpu(reg, tmp_path):
     assert result["host_overhead"]["tiledispatch.torch.linear"]["median_us"] > 0
     assert set(result["host_overhead"]["registration"]) == {"python function", "Library define + impl",
                                                             "torch.library.custom_op"}
+
+
+def test_bench_models_runs_the_inverted_residual_models_on_the_cpu(reg, tmp_path):
+    """models.py's EfficientNet-B0, MnasNet and MobileNetV3-Large stand-ins (5x5 depthwise, squeeze-excitation with
+    sigmoid / hard-sigmoid gates, SiLU / hard-swish): every conv runs on the bundle, the patched and fused models match
+    eager, and each block's expansion and depthwise conv fuse with their folded batch norms."""
+    result = _bench_models_on_the_cpu(reg, tmp_path, "efficientnet_b0,mnasnet1_0,mobilenet_v3_large",
+                                      "eager,tiledispatch,fused")
+    for case, r in result["cases"].items():
+        for name in ("tiledispatch", "fused"):
+            v = r["variants"][name]
+            assert v["out_rel_err"] < 1e-5 and v["out_within_tolerance"], (case, name, v)
+        assert r["patch_report"]["unsupported"] == 0 and r["fuse_report"]["patch"]["unsupported"] == 0, case
+        fused = r["fuse_report"]["fused"]
+        assert sum("batch norm folded" in f["epilogue"] for f in fused) >= 8, (case, fused)
+    # MobileNetV3's hard-swish after the convs and hard-sigmoid gate after the excitation's second conv, in them
+    epilogues = [f["epilogue"] for f in result["cases"]["mobilenet_v3_large"]["fuse_report"]["fused"]]
+    assert sum(e.endswith("hardswish") for e in epilogues) == 6 and sum(e.endswith("hardsigmoid") for e in epilogues) == 3
 
 
 def test_bench_models_compiles_the_fused_model_on_the_cpu(reg, tmp_path):
