@@ -55,6 +55,10 @@ def activation(v: torch.Tensor, name: str, low: float, high: float) -> torch.Ten
         return torch.tanh(v)
     if name == "clamp":
         return torch.clamp(v, low, high)
+    if name == "hardswish":
+        return torch.nn.functional.hardswish(v)
+    if name == "hardsigmoid":
+        return torch.nn.functional.hardsigmoid(v)
     raise ValueError(name)
 
 

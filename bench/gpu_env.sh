@@ -22,7 +22,7 @@ td_setup() {
 td_build() {
   local start=$SECONDS
   timeout "$3" python3 -m SCons -Q "kernels=$1" backend=cutlass "arch=$2" "build_dir=$TD_BUILD" \
-    "cache_dir=$TD_CACHE" "bundle=$4" -j16 > "/tmp/build_$4.log" 2>&1
+    "cache_dir=$TD_CACHE" "bundle=$4" -j"$(nproc)" > "/tmp/build_$4.log" 2>&1
   local rc=$?
   grep -E "compiled|FAILED|error|kernel\(s\)" "/tmp/build_$4.log" | grep -v "^\s*$" | tail -n 80
   echo "td_build $4: rc $rc in $((SECONDS - start)) s"

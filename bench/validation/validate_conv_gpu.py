@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -110,10 +111,17 @@ def attempt(entry: dict, check, results: list, label: str) -> None:
           f"{entry.get('rel_error', entry.get('error'))}", flush=True)
 
 
+ONLY = None  # --only: a regular expression; the per-kernel checks then take only the kernels whose names match it
+
+
+def kernels_of(reg) -> list:
+    return [k for k in reg.kernels if ONLY is None or re.search(ONLY, k.name)]
+
+
 def check_kernels(registries, cases_cache, rng) -> list[dict]:
     results = []
     for reg in registries:
-        for kern in reg.kernels:
+        for kern in kernels_of(reg):
             sig = kern.key.signature
             if sig.op != "conv":
                 continue
@@ -228,7 +236,7 @@ def check_splits(registries, rng) -> list[dict]:
     """tma_ws_conv bwd_weight's split: every kind of split, with beta = 0 and with alpha/beta."""
     results = []
     for reg in registries:
-        for kern in reg.kernels:
+        for kern in kernels_of(reg):
             k = kern.key
             if k.algorithm.pipeline != "tma_ws_conv" or k.signature.direction != "bwd_weight":
                 continue
@@ -387,7 +395,8 @@ def check_pointwise(registries) -> list[dict]:
 TORCH_ACTIVATIONS = {
     "identity": lambda v: v, "relu": torch.relu, "gelu_tanh": lambda v: torch.nn.functional.gelu(v, approximate="tanh"),
     "gelu_erf": torch.nn.functional.gelu, "silu": torch.nn.functional.silu, "sigmoid": torch.sigmoid,
-    "tanh": torch.tanh, "clamp": lambda v: v.clamp(*validation.VALIDATION_CLAMP)}
+    "tanh": torch.tanh, "clamp": lambda v: v.clamp(*validation.VALIDATION_CLAMP),
+    "hardswish": torch.nn.functional.hardswish, "hardsigmoid": torch.nn.functional.hardsigmoid}
 
 
 def _fused_call(reg, epi: Epilogue, p, gen, geo: dict, key) -> dict:
@@ -438,7 +447,7 @@ def check_fused_selection(registries) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(11)
     for reg in registries:
         cases = {}
-        for kern in reg.kernels:
+        for kern in kernels_of(reg):
             sig, alg = kern.key.signature, kern.key.algorithm
             if sig.epilogue == Epilogue() or (sig.op == "conv" and sig.direction != "fwd"):
                 continue
@@ -491,7 +500,7 @@ def check_refusals(registries) -> list[dict]:
     verdict is its family's model (refusal()); nothing is launched."""
     results = []
     for reg in registries:
-        for kern in reg.kernels:
+        for kern in kernels_of(reg):
             pipeline = kern.key.algorithm.pipeline
             if pipeline not in ("implicit_gemm", "tma_ws_conv"):
                 continue
@@ -517,7 +526,10 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("bundles", nargs="+")
     ap.add_argument("--json")
+    ap.add_argument("--only", help="a regular expression: the per-kernel checks take only the kernels it matches")
     args = ap.parse_args()
+    global ONLY
+    ONLY = args.only
     registries = [load(b) for b in args.bundles]
     rng = np.random.default_rng(2026)
     t0 = time.time()

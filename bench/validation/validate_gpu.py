@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -105,6 +106,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("bundles", nargs="+")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--only", default=None, help="a regular expression: validate only the kernels it matches")
     opts = ap.parse_args()
     gen = torch.Generator(device="cuda")
     gen.manual_seed(1234)
@@ -114,6 +116,8 @@ def main() -> int:
         reg = load(path)
         print(f"{path}: {len(reg.kernels)} kernels ({reg.backend}/{reg.arch})", flush=True)
         for kern in reg.kernels:
+            if opts.only and not re.search(opts.only, kern.name):
+                continue
             if kern.key.signature.op != "gemm":  # convolution kernels have their own checks
                 print(f"  skip {kern.name} (not a GEMM)", flush=True)
                 continue
