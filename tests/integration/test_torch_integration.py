@@ -244,8 +244,54 @@ def test_an_activation_whose_kernels_refuse_the_shape_is_applied_after_a_plain_k
     monkeypatch.setattr(tdt, "_CAPS", [*tdt._CAPS[:h], claimed, *tdt._CAPS[h + 1:]])
     x16, w16 = torch.empty(2, 16, 5, 5, dtype=torch.float16), torch.empty(13, 16, 1, 1, dtype=torch.float16)
     geo = tdt._geometry((1, 1), (1, 1), (0, 0), (0, 0), 1)
-    assert tdt._conv_route(h, x16, w16, geo, "gelu_tanh", False, 0) is None
+    assert tdt._conv_route(h, x16, w16, geo, "gelu_tanh", False, 0) == "gemm_padded"  # 13 channels padded to 16
     assert tdt._conv_route(h, x16, w16[:8], geo, "gelu_tanh", False, 0) == "gemm"
+
+
+def test_a_pointwise_conv_with_unaligned_output_channels_runs_padded_on_a_fused_gemm(reg, monkeypatch):
+    """Where the GEMM kernels fusing a pointwise conv's epilogue refuse its output channel count (as the cutlass
+    TMA kernels refuse one that is not a multiple of 8: EfficientNet's squeeze-excitation), the conv runs as one
+    fused GEMM on its weight and bias zero-padded to 16 channels, its first 13 output channels copied out: forward
+    and gradients exact, the padded copies cached while the weight lives unmodified and made anew after an in-place
+    change."""
+    h = tdt.register(reg)
+    runs = tdt._gemm_runs
+    monkeypatch.setattr(tdt, "_gemm_runs", lambda handle, dtype, layout, epi, shape: (
+        (epi.activation == "identity" or shape[2] % 8 == 0) and runs(handle, dtype, layout, epi, shape)))
+    for memo in ("_ROUTES", "_CONV_ROUTES", "_PADDED_ROWS"):
+        monkeypatch.setattr(tdt, memo, {})
+    calls = []
+    original = td.Registry.gemm
+
+    def spy(self, a, b, out=None, **kw):
+        calls.append((tuple(out.shape), kw.get("activation"), tuple(kw["bias"].shape)))
+        return original(self, a, b, out, **kw)
+
+    monkeypatch.setattr(td.Registry, "gemm", spy)
+    half = torch.float16
+    x = rand(2, 24, 5, 7, dtype=half, seed=90).contiguous(memory_format=torch.channels_last)
+    w, b = rand(13, 24, 1, 1, dtype=half, seed=91), rand(13, dtype=half, seed=92)
+    xs, ws, bs = leaf(x), leaf(w), leaf(b)
+    out = tdt.conv(xs, ws, bs, registry=h, activation="relu")
+    assert calls == [((70, 16), "relu", (16,))]
+    exact = [leaf(t.detach().double()) for t in (x, w, b)]
+    ref = F.relu(F.conv2d(*exact))
+    assert out.shape == ref.shape and out.dtype == half and tdt._is_channels_last(out)
+    assert rel_err(out, ref) < TOL[half]
+    g = rand(*out.shape, dtype=half, seed=93)
+    out.backward(g)
+    ref.backward(g.double())
+    for got, want in zip((xs, ws, bs), exact):
+        assert rel_err(got.grad, want.grad) < GRAD_TOL[half]
+    # the second call pads nothing anew; an in-place change to the weight is seen
+    padded = {key: entry[2] for key, entry in tdt._PADDED_ROWS.items()}
+    assert len(padded) == 2
+    tdt.conv(xs, ws, bs, registry=h, activation="relu")
+    assert all(tdt._PADDED_ROWS[key][2] is t for key, t in padded.items())
+    with torch.no_grad():
+        ws.mul_(-1)
+    out = tdt.conv(xs, ws, bs, registry=h, activation="relu")
+    assert rel_err(out, F.relu(F.conv2d(exact[0], -exact[1], exact[2]))) < TOL[half]
 
 
 def test_gemm_refusals_are_clear(reg):
@@ -1456,9 +1502,10 @@ def test_bench_models_runs_the_inverted_residual_models_on_the_cpu(reg, tmp_path
         assert r["patch_report"]["unsupported"] == 0 and r["fuse_report"]["patch"]["unsupported"] == 0, case
         fused = r["fuse_report"]["fused"]
         assert sum("batch norm folded" in f["epilogue"] for f in fused) >= 8, (case, fused)
-    # MobileNetV3's hard-swish after the convs and hard-sigmoid gate after the excitation's second conv, in them
+    # every hard-swish of the MobileNetV3 stand-in (after its stem, expansions, depthwise convs and head: 7) and
+    # every hard-sigmoid gate (after each excitation's second conv: 3) is fused into the conv before it
     epilogues = [f["epilogue"] for f in result["cases"]["mobilenet_v3_large"]["fuse_report"]["fused"]]
-    assert sum(e.endswith("hardswish") for e in epilogues) == 6 and sum(e.endswith("hardsigmoid") for e in epilogues) == 3
+    assert sum(e.endswith("hardswish") for e in epilogues) == 7 and sum(e.endswith("hardsigmoid") for e in epilogues) == 3
 
 
 def test_bench_models_compiles_the_fused_model_on_the_cpu(reg, tmp_path):
