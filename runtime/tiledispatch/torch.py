@@ -49,6 +49,7 @@ import operator
 import os
 import threading
 import types
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Optional, Sequence, Union
 
@@ -735,8 +736,9 @@ def _conv_fwd_epilogue_run(x, w, bias, residuals, activation: str, clamp: tuple,
         if in_place:
             _mark_direct(_conv_epilogue_pointers)
         return y
-    if route == "gemm":
-        return _pointwise_gemm(reg, handle, x, w, bias, residuals, activation, clamp, y, in_place)
+    if route in ("gemm", "gemm_padded"):
+        return _pointwise_gemm(reg, handle, x, w, bias, residuals, activation, clamp, y, in_place,
+                               padded=route == "gemm_padded")
     if bias is None and not residuals:
         conv_op.run(reg, "fwd", x, w, y, y, geo.options[0.0], geo.keys[0.0])
     else:  # y = conv + 1 * y, y holding bias + residuals first: the adds happen in the kernel's epilogue
@@ -764,7 +766,8 @@ def _conv_route(handle: int, x, w, geo: _Geometry, activation: str, bias: bool, 
     """How a conv with this epilogue runs (cached per problem): "conv" where a conv kernel of the bundle fusing it
     runs the problem (its can-run answer) and is not rated far slower than the plain kernel (_fusing_pays);
     "gemm" for a pointwise dense problem whose GEMM (pixels x channels) a GEMM kernel runs with the epilogue (bias
-    and residuals fused or through beta * C, the activation fused);
+    and residuals fused or through beta * C, the activation fused); "gemm_padded": that GEMM with its output
+    channels zero-padded (_pads_outputs);
     None: the plain conv kernel, bias and residuals through beta * Y, torch's activation."""
     key = (handle, x.dtype, x.shape, w.shape, geo.stride, geo.dilation, geo.pad_lo, geo.pad_hi, geo.groups,
            activation, bias, residuals)
@@ -779,7 +782,9 @@ def _conv_route(handle: int, x, w, geo: _Geometry, activation: str, bias: bool, 
         except InvalidInputError:  # shapes the plain path's checks refuse, with their own message
             problem = None
         reg = registry_of(handle)
-        if problem is not None and (geo.rank, dtype, activation, bias, residuals) in _CAPS[handle].conv_epilogues \
+        if problem is not None and _pads_outputs(handle, problem, _vector_channels(x)):
+            route = "gemm_padded"
+        elif problem is not None and (geo.rank, dtype, activation, bias, residuals) in _CAPS[handle].conv_epilogues \
                 and reg.supports(problem) and _fusing_pays(reg, problem):
             route = "conv"
         elif problem is not None and conv_as_gemm.applies(problem):
@@ -814,15 +819,69 @@ def _fusing_pays(reg: Registry, problem: ConvProblem) -> bool:
     return plain is None or fused <= _FUSED_COST_LIMIT * plain
 
 
-def _pointwise_gemm(reg, handle: int, x, w, bias, residuals, activation: str, clamp: tuple, y, in_place: bool):
+# A pointwise conv whose output channels are not a whole number of 16-byte vectors (EfficientNet's squeeze-excitation
+# squeezes 672 channels to 28, ShuffleNetV2 has 58, segmentation heads 21) has no output the TMA GEMM kernels can
+# store, so it ran on the low-alignment fallback GEMM: one CTA per 64 x 128 tile walking all of C, no fused epilogue
+# (EfficientNet-B0's 32 x 28 x 672: 0.29x cuDNN, bench/results/inverted_residual_h200). It runs instead with the
+# weight and bias zero-padded to the next whole vector (copies cached per tensor), into a padded output whose first
+# K channels are copied out: one more pass over the output, where the fallback makes three (the bias written
+# first, the activation read and written by torch).
+def _pads_outputs(handle: int, problem: ConvProblem, vector: int) -> bool:
+    """Whether a pointwise dense conv runs on its output channels zero-padded to a multiple of `vector` (see
+    above): no residuals (they would need padded copies too), and only padded does a GEMM kernel run it with the
+    whole epilogue fused."""
+    epi = problem.epilogue
+    if not problem.k % vector or epi.residuals or not conv_as_gemm.applies(problem):
+        return False
+    pixels = problem.n * math.prod(problem.in_size)
+
+    def fuses(k: int) -> bool:
+        route = _cheapest_route(handle, problem.dtype_x, epi.activation, epi.bias, 0, "r", "c",
+                                (1, pixels, k, problem.c))
+        return route is not None and not route.fold
+    return not fuses(problem.k) and fuses(-(-problem.k // vector) * vector)
+
+
+_PADDED_ROWS: dict = {}  # (id of a tensor, rows) -> (weak reference to it, its version, its zero-padded copy)
+
+
+def _zero_padded_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """t [K, ...] with zero rows appended up to `rows`; cached while t lives unmodified (an inference tensor,
+    which has no version counter to tell, is padded anew on every call)."""
+    key = (id(t), rows)
+    try:
+        version = t._version
+    except RuntimeError:  # an inference tensor
+        version = None
+    hit = _PADDED_ROWS.get(key)
+    if hit is not None and version is not None and hit[0]() is t and hit[1] == version:
+        return hit[2]
+    with torch.no_grad():
+        padded = t.new_zeros((rows, *t.shape[1:]))
+        padded[:t.shape[0]].copy_(t)
+    if version is not None:
+        if len(_PADDED_ROWS) >= _MEMO_SIZE:
+            _PADDED_ROWS.clear()
+        _PADDED_ROWS[key] = (weakref.ref(t), version, padded)
+    return padded
+
+
+def _pointwise_gemm(reg, handle: int, x, w, bias, residuals, activation: str, clamp: tuple, y, in_place: bool,
+                    padded: bool = False):
     """y = act(x @ w^T + bias + sum(residuals)) over the pixels of a pointwise conv: channels-last x, y and
     residuals are [pixels, channels] row-major matrices and a channels-last weight [K, C, 1...] a column-major
     [C, K] one, all views (the GEMM path of _gemm_run on them). in_place: x, w and the residuals are the
-    caller's own tensors (not channels-last copies)."""
+    caller's own tensors (not channels-last copies). padded: on the output channels zero-padded to a whole
+    vector (_pads_outputs; no residuals)."""
     k, c = w.shape[0], w.shape[1]
     a = x.movedim(1, -1).reshape(-1, c)
-    b = w.reshape(k, c).t()
     out = y.movedim(1, -1).reshape(-1, k)
+    if padded:
+        wide = -(-k // _vector_channels(x)) * _vector_channels(x)
+        w = _zero_padded_rows(w, wide)
+        bias = None if bias is None else _zero_padded_rows(bias, wide)
+        result, out = out, a.new_empty((a.shape[0], wide))
+    b = w.reshape(w.shape[0], c).t()
     res = tuple(_channels_last(r).movedim(1, -1).reshape(-1, k) for r in residuals)
     route = _gemm_route(handle, a, b, activation, bias is not None, len(res))
     clamp = clamp if activation == "clamp" else NO_CLAMP
@@ -835,8 +894,10 @@ def _pointwise_gemm(reg, handle: int, x, w, bias, residuals, activation: str, cl
         reg.gemm(a, b, out, c=out, beta=1.0, activation=activation, clamp=clamp)
     else:
         reg.gemm(a, b, out, bias=bias, residuals=res, activation=activation, clamp=clamp)
-        if in_place and not (route.copy_a or route.copy_b):
+        if in_place and not (route.copy_a or route.copy_b or padded):
             _mark_direct(_gemm_pointers)
+    if padded:
+        result.copy_(out[:, :k])
     return y
 
 
