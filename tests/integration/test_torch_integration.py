@@ -1505,7 +1505,8 @@ def test_bench_models_runs_the_inverted_residual_models_on_the_cpu(reg, tmp_path
     # every hard-swish of the MobileNetV3 stand-in (after its stem, expansions, depthwise convs and head: 7) and
     # every hard-sigmoid gate (after each excitation's second conv: 3) is fused into the conv before it
     epilogues = [f["epilogue"] for f in result["cases"]["mobilenet_v3_large"]["fuse_report"]["fused"]]
-    assert sum(e.endswith("hardswish") for e in epilogues) == 7 and sum(e.endswith("hardsigmoid") for e in epilogues) == 3
+    assert sum(e.endswith("hardswish") for e in epilogues) == 7
+    assert sum(e.endswith("hardsigmoid") for e in epilogues) == 3
 
 
 def test_bench_models_compiles_the_fused_model_on_the_cpu(reg, tmp_path):
