@@ -90,6 +90,10 @@ def activate(v: np.ndarray, activation: str, lo: float, hi: float) -> np.ndarray
         return np.tanh(v)
     if activation == "clamp":
         return np.minimum(np.maximum(v, lo), hi)
+    if activation == "hardswish":
+        return v * np.minimum(np.maximum(v + 3, 0.0), 6.0) / 6
+    if activation == "hardsigmoid":
+        return np.minimum(np.maximum(v + 3, 0.0), 6.0) / 6
     raise AssertionError(activation)
 
 

@@ -189,8 +189,12 @@ def test_fused_abi_tensor_count(reg):
 def test_selection_matches_the_epilogue_exactly(reg):
     rng = np.random.default_rng(5)
     p, data, _ = case(rng, "fp32", 1, 12, 20, epilogue=Epilogue("tanh"))  # tanh only with bias + residual here
-    with pytest.raises(UnsupportedProblemError, match="kernel fuses epilogue identity, problem asks for tanh"):
+    with pytest.raises(UnsupportedProblemError, match="no kernel can run conv2d fwd .* epilogue tanh"):
         call(reg, p, data)
+    # the plain kernel of the problem's dtypes refuses it for its epilogue (the message lists the closest eight)
+    reasons = {k.name: why for k, why in reg.explain(p) if k.key.signature.epilogue == Epilogue()
+               and k.key.signature.spatial_dims == 2 and k.key.signature.dtype_a == "fp32"}
+    assert reasons and all(why == "kernel fuses epilogue identity, problem asks for tanh" for why in reasons.values())
     p, data, expect = case(rng, "fp32", 1, 12, 20)
     call(reg, p, data)  # the plain kernel, not a fused one with zero operands
     assert reg.select(p).key.signature.epilogue == Epilogue()
