@@ -1409,9 +1409,10 @@ def _conv_forward(spec, x, w, bias, *residuals):
 class _ConvFunction(torch.autograd.Function):
     """y = act(conv(x, w) + bias + sum(residuals)); spec: (stride, dilation, pad_lo, pad_hi, groups, handle,
     activation, clamp, the _Geometry of those values or None). The backward pass takes the activation's
-    derivative from the saved output (relu, clamp, sigmoid, tanh) or from the pre-activation, recomputed through
-    the bundle (gelu, silu), then grad bias = the sum of that gradient over N and the spatial dims, grad residual =
-    that gradient. Each direction's launch is remembered like an eager call's (_remembered)."""
+    derivative from the saved output (relu, clamp, sigmoid, tanh, hard-sigmoid) or from the pre-activation,
+    recomputed through the bundle (gelu, silu, hard-swish), then grad bias = the sum of that gradient over N and
+    the spatial dims, grad residual = that gradient. Each direction's launch is remembered like an eager call's
+    (_remembered)."""
 
     @staticmethod
     def forward(ctx, spec, x, w, bias, *residuals):

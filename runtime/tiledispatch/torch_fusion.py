@@ -10,14 +10,14 @@ A scale is a multiply by a model tensor holding one value per output feature (Co
 mode only: like a batch norm it is folded into the weight and bias (in float32, cast to the weight's dtype). A
 permute between the linear and what is fused moves the residual into the linear's layout and the result out of
 it (views: nothing is copied).
-activation: relu, relu6 / hardtanh (clamp), silu, gelu (erf or tanh), sigmoid, tanh, as modules (nn.ReLU, ...),
-functions (F.relu, torch.relu, ...) or tensor methods (x.relu()). A batch norm in eval mode (running statistics)
-is folded into the conv's weight and a bias, computed in float32 and cast to the weight's dtype; in training
-mode it computes batch statistics, so it stays PyTorch's and ends the chain: what is fused then is exact in
-either mode (bias, residual add, activation). A conv whose fused kernel the bundle lacks for a problem still
-runs as one tiledispatch.torch.conv call (the plain kernel, bias and residual through beta * Y, the activation
-by torch); a linear's activation is fused only where the bundle has GEMM kernels computing it, and applied
-by torch after the GEMM for a problem all of them refuse (an unaligned out_features).
+activation: relu, relu6 / hardtanh (clamp), silu, gelu (erf or tanh), sigmoid, tanh, hard-swish, hard-sigmoid, as
+modules (nn.ReLU, ...), functions (F.relu, torch.relu, ...) or tensor methods (x.relu()). A batch norm in eval mode
+(running statistics) is folded into the conv's weight and a bias, computed in float32 and cast to the weight's dtype;
+in training mode it computes batch statistics, so it stays PyTorch's and ends the chain: what is fused then is exact
+in either mode (bias, residual add, activation). A conv whose fused kernel the bundle lacks for a problem still runs
+as one tiledispatch.torch.conv call (the plain kernel, bias and residual through beta * Y, the activation by torch);
+a linear's activation is fused only where the bundle has GEMM kernels computing it, and applied by torch after the
+GEMM for a problem all of them refuse (an unaligned out_features).
 
 A residual whose shape or dtype differs from the layer's output at run time (a broadcast add, a type promotion)
 is added by torch instead, so the fused model computes what the model did. Modules torch.fx cannot trace are
