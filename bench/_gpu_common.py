@@ -1,8 +1,9 @@
-"""Shared by bench/validation/validate_gpu.py and bench/benchmarks/gemm.py: torch inputs on the GPU, a float64 reference,
-and launching one kernel of a bundle through the C ABI with a persistent workspace."""
+"""Shared by the GPU validators (bench/validation/) and benchmarks (bench/benchmarks/): torch inputs on the GPU, a
+float64 reference, and launching one kernel of a bundle through the C ABI with a persistent workspace."""
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -36,6 +37,12 @@ def random_tensor(shape, dtype: str, gen: torch.Generator, layout: str = "r") ->
 def poisoned(shape, dtype: str) -> torch.Tensor:
     t = torch.empty(shape, dtype=TORCH_DTYPE[dtype], device="cuda")
     return t.fill_(torch.iinfo(t.dtype).min if dtype in ("int8", "int32") else float("nan"))
+
+
+def matching(kernels, pattern) -> list:
+    """The kernels whose names the regular expression `pattern` matches, all of them where it is None (the
+    validators' --only)."""
+    return [k for k in kernels if pattern is None or re.search(pattern, k.name)]
 
 
 def activation(v: torch.Tensor, name: str, low: float, high: float) -> torch.Tensor:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import re
 import sys
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared modules
 
+import _gpu_common as gc
 from _conv_common import TORCH_DTYPE, ConvLauncher, expected_refusal, kind_of, machine
 from tiledispatch import abi, backends, load, reference, validation
 from tiledispatch.ops import conv, conv_as_gemm, gemm
@@ -115,7 +115,7 @@ ONLY = None  # --only: a regular expression; the per-kernel checks then take onl
 
 
 def kernels_of(reg) -> list:
-    return [k for k in reg.kernels if ONLY is None or re.search(ONLY, k.name)]
+    return gc.matching(reg.kernels, ONLY)
 
 
 def check_kernels(registries, cases_cache, rng) -> list[dict]:
@@ -392,13 +392,6 @@ def check_pointwise(registries) -> list[dict]:
     return results
 
 
-TORCH_ACTIVATIONS = {
-    "identity": lambda v: v, "relu": torch.relu, "gelu_tanh": lambda v: torch.nn.functional.gelu(v, approximate="tanh"),
-    "gelu_erf": torch.nn.functional.gelu, "silu": torch.nn.functional.silu, "sigmoid": torch.sigmoid,
-    "tanh": torch.tanh, "clamp": lambda v: v.clamp(*validation.VALIDATION_CLAMP),
-    "hardswish": torch.nn.functional.hardswish, "hardsigmoid": torch.nn.functional.hardsigmoid}
-
-
 def _fused_call(reg, epi: Epilogue, p, gen, geo: dict, key) -> dict:
     """reg.conv_fwd with the epilogue on random torch channels_last tensors ([N, C, sp...] form, bias [K],
     residuals like y), through the runtime's own selection; the verdict against torch in float32, and which op ran
@@ -435,7 +428,7 @@ def _fused_call(reg, epi: Epilogue, p, gen, geo: dict, key) -> dict:
         ref = ref + bias.float().reshape(1, -1, *(1,) * rank)
     for r in residuals:
         ref = ref + r.float()
-    ref = TORCH_ACTIVATIONS[epi.activation](ref)
+    ref = gc.activation(ref, epi.activation, *validation.VALIDATION_CLAMP)
     return {**_against(y, ref, key), "ran": ran}  # key: one that fuses the epilogue, for the dtype's tolerance
 
 

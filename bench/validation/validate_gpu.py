@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared modules
 
-from _gpu_common import Launcher, operands, poisoned, random_tensor, reference, machine
+from _gpu_common import Launcher, machine, matching, operands, poisoned, random_tensor, reference
 from tiledispatch import abi, backends, load
 from tiledispatch.validation import tolerance
 
@@ -115,9 +114,7 @@ def main() -> int:
     for path in opts.bundles:
         reg = load(path)
         print(f"{path}: {len(reg.kernels)} kernels ({reg.backend}/{reg.arch})", flush=True)
-        for kern in reg.kernels:
-            if opts.only and not re.search(opts.only, kern.name):
-                continue
+        for kern in matching(reg.kernels, opts.only):
             if kern.key.signature.op != "gemm":  # convolution kernels have their own checks
                 print(f"  skip {kern.name} (not a GEMM)", flush=True)
                 continue
