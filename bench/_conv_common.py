@@ -23,11 +23,21 @@ def kind_of(key) -> tuple[str, ...]:
         return ("dense", "dense_wide")
     if alg.pipeline == "implicit_gemm":
         return ("dense", "g16", "g64")
-    cpg = alg.extra("cutlass.cpg", 0)
+    cpg, kpg = alg.extra("cutlass.cpg", 0), alg.extra("cutlass.kpg", 0)
+    if alg.pipeline == "direct_mma" and cpg != kpg:  # few-channel form: an RGB-like input, K in partial lane blocks
+        return (f"few_c{cpg}_k{kpg or alg.tile[1] + 8}",)
     specialized = {1: ("depthwise",), 2: ("g2",), 4: ("g4",), 16: ("g16",)}
     if cpg in specialized:
         return specialized[cpg]
     return ("g4", "depthwise", "multiplier", "odd")
+
+
+def kind_groups(kind: str, kinds: dict) -> tuple[int, int, int]:
+    """(G, C/G, K/G) of a problem kind: kinds' entry, or a few-channel kind few_c<C>_k<K> (groups = 1)."""
+    if kind in kinds:
+        return kinds[kind]
+    c, k = kind.removeprefix("few_c").split("_k")
+    return 1, int(c), int(k)
 
 
 def expected_refusal(key, problem):

@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared modules
 
 import _gpu_common as gc
-from _conv_common import TORCH_DTYPE, ConvLauncher, expected_refusal, kind_of, machine
+from _conv_common import TORCH_DTYPE, ConvLauncher, expected_refusal, kind_groups, kind_of, machine
 from tiledispatch import abi, backends, load, reference, validation
 from tiledispatch.ops import conv, conv_as_gemm, gemm
 from tiledispatch.plan import bind
@@ -65,7 +65,7 @@ def make_case(rng, direction, rank, kind, geometry, dtype, filt=None, epilogue=E
     """A problem, its host data (with a fused epilogue's random bias and residuals) and the float64 reference."""
     n, in_size, default_filt = SIZES[rank]
     filt = filt or default_filt
-    g, cg, kg = KINDS[kind]
+    g, cg, kg = kind_groups(kind, KINDS)
     stride, dilation, pad_lo, pad_hi = (v[-rank:] for v in GEOMETRIES[geometry])
     p = conv.ConvProblem(direction, n, g, g * cg, g * kg, in_size, filt, stride, dilation, pad_lo, pad_hi,
                          dtype, dtype, dtype, epilogue=epilogue)
@@ -452,7 +452,7 @@ def check_fused_selection(registries) -> list[dict]:
                 continue
             filt = filter_of(kern.key, 2)
             for kind in kind_of(kern.key)[:1]:
-                g, cg, kg = KINDS[kind]
+                g, cg, kg = kind_groups(kind, KINDS)
                 cases[(kind, sig.epilogue, filt, sig.dtype_a)] = (2, g, g * cg, g * kg, (19, 23), filt, "s2d1", kern.key)
             if alg.extra("cutlass.align", 0) == 1:  # the generic kernel: a stem with C = 3
                 cases[("stem", sig.epilogue, sig.dtype_a)] = (2, 1, 3, 64, (29, 31), (7, 7), "s2d1", kern.key)

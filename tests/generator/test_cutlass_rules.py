@@ -260,15 +260,19 @@ def test_compile_time_filter_renders_bwd_weight():
 def mma_conv(direction="fwd", rank=2, cpg=4, kpg=None, tile=(28, 32, 8), warps=(7, 1, 1), f=3, dtype="fp16",
              extras=()):
     filt = (("cutlass.fx", f),) + ((("cutlass.fy", f),) if rank > 1 else ())
+    groups = (("cutlass.cpg", cpg), ("cutlass.kpg", cpg if kpg is None else kpg))
     return KernelKey(Signature("conv", dtype, dtype, dtype, "fp32", "nhwgc", Epilogue(), direction, rank),
                      Algorithm(tile, "direct_mma", warps, (16, 8, 16), "data_parallel", 1, (1, 1, 1), 0,
-                               (("cutlass.cpg", cpg), ("cutlass.kpg", kpg or cpg)) + filt + extras), "cutlass", "sm90a")
+                               groups + filt + extras), "cutlass", "sm90a")
 
 
 @pytest.mark.parametrize("key", [
     mma_conv(), mma_conv("bwd_data", cpg=1, f=7), mma_conv(cpg=16, tile=(16, 32, 2), warps=(1, 2, 1)),
     mma_conv(rank=1, cpg=1, tile=(128, 64, 1), warps=(4, 2, 1), f=4), mma_conv(rank=3, dtype="bf16"),
     mma_conv(cpg=64, tile=(32, 32, 8), warps=(4, 2, 1)), mma_conv(extras=(("cutlass.occupancy", 3),)),
+    # the few-channel form: K/G at run time, or a multiple of the lane tile
+    mma_conv(cpg=3, kpg=0, tile=(16, 32, 8), warps=(4, 1, 1)),
+    mma_conv(cpg=8, kpg=64, tile=(16, 64, 8), warps=(4, 2, 1)),
     direct_conv(extras=DW + (("cutlass.occupancy", 2),)),
     direct_conv("bwd_weight", mma=(3, 8, 1), extras=DW + (("cutlass.occupancy", 3),)),
     mma_conv("bwd_weight", warps=(8, 1, 1)), mma_conv("bwd_weight", cpg=1, f=7, tile=(28, 64, 8), warps=(16, 1, 1)),
@@ -294,7 +298,9 @@ def test_direct_mma_and_direct_occupancy_keys_are_legal_and_round_trip(key):
     (mma_conv("bwd_weight", f=9, warps=(8, 1, 1)), "cutlass.conv_direct_mma_wgrad"),  # 81 taps: 41 pairs
     (mma_conv("bwd_weight", f=11, warps=(4, 2, 1)), "cutlass.conv_direct_mma_wgrad"),  # 61 pairs: 31 a group
     (mma_conv("bwd_weight", tile=(16, 8, 2), warps=(1, 6, 1)), "cutlass.conv_direct_mma_wgrad"),  # 6 groups, 5 pairs
-    (mma_conv(cpg=4, kpg=8), "cutlass.conv_direct_mma_groups"),                     # C/G != K/G
+    (mma_conv(cpg=4, kpg=8), "cutlass.conv_direct_mma_few_channels"),               # K/G 8 splits a 32-lane tile
+    (mma_conv("bwd_data", cpg=3, kpg=0, tile=(16, 32, 8), warps=(4, 1, 1)), "cutlass.conv_direct_mma_few_channels"),
+    (mma_conv(cpg=12, kpg=32, tile=(16, 32, 8), warps=(4, 1, 1)), "cutlass.conv_direct_mma_few_channels"),  # C/G > 8
     (mma_conv(cpg=1, extras=(("cutlass.rows", 1),)), "cutlass.conv_direct_mma_rows"),  # fwd
     (mma_conv("bwd_weight", cpg=4, tile=(56, 16, 8), warps=(8, 1, 1), extras=(("cutlass.rows", 1),)),
      "cutlass.conv_direct_mma_rows"),                                               # C/G 4

@@ -857,13 +857,15 @@ def _modelled_essential_registry(monkeypatch, keep=lambda key: True) -> "_Modell
 
 
 @pytest.mark.parametrize("channels,k,filt,stride,direction,padded", [
-    (3, 64, 7, 2, "fwd", 4), (3, 64, 7, 2, "bwd_weight", 4),    # ResNet-50's stem: the 8-byte kernels
+    (3, 64, 7, 2, "fwd", 0), (3, 64, 3, 2, "fwd", 0),         # RGB stems fwd: as they are (few-channel kernels)
+    (3, 64, 7, 2, "bwd_weight", 4),                             # ResNet-50's stem dW: the 8-byte kernels
     (5, 64, 3, 1, "fwd", 8), (5, 64, 3, 1, "bwd_weight", 8),    # C = 5: both widths give 8
     (12, 64, 3, 1, "fwd", 0), (12, 64, 3, 1, "bwd_weight", 0),  # C = 12 runs as it is on the 8-byte kernels
     (3, 45, 7, 2, "fwd", 0), (16, 64, 3, 1, "fwd", 0)])       # K = 45 refused by every aligned kernel; aligned C
 def test_channel_padding_width_on_the_cutlass_essential_set(monkeypatch, channels, k, filt, stride, direction, padded):
     """The padding width the cost model picks for conv_fp16_all_essential's sm90a kernels (bench/results/
-    channel_padding_align4_h200 measured these choices as the fastest of as is / 4 / 8 on the stems)."""
+    channel_padding_align4_h200 measured these choices as the fastest of as is / 4 / 8 on the stems; the RGB stems'
+    fwd runs as it is on direct_mma's few-channel kernels since bench/results/few_channel_h200)."""
     _modelled_essential_registry(monkeypatch)
     tdt._PAD_ROUTES.clear()
     x = torch.empty(32, channels, 56, 56, dtype=torch.float16)

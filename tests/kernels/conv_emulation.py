@@ -72,7 +72,10 @@ def build(key: KernelKey, out_dir: Path, smem_limit: int | None = None) -> abi.K
 # (G, C/G, K/G)
 KINDS = {"dense": (1, 24, 16), "g4": (4, 4, 4), "g16": (3, 16, 16), "g64": (2, 64, 8), "depthwise": (9, 1, 1),
          "multiplier": (5, 1, 2), "odd": (3, 3, 5), "g2": (12, 2, 2), "g8": (3, 8, 8), "g4x3": (3, 4, 4),
-         "g32": (2, 32, 32), "c4": (1, 4, 12)}
+         "g32": (2, 32, 32), "c4": (1, 4, 12),
+         # few input channels, many outputs (direct_mma's few-channel form: RGB stems, raw-audio front ends)
+         "c3k16": (1, 3, 16), "c3k32": (1, 3, 32), "c3k40": (1, 3, 40), "c1k24": (1, 1, 24), "g2c3k32": (2, 3, 32),
+         "c8k16": (1, 8, 16)}
 # (stride, dilation, pad_lo, pad_hi) per dim, cut to the rank; every one pads asymmetrically
 GEOMETRIES = {
     "s1d1": ((1, 1, 1), (1, 1, 1), (1, 0, 2), (0, 2, 1)),

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 import conv_emulation as ce
-from tiledispatch import abi
+from tiledispatch import abi, backends
 from tiledispatch.ops import conv
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("g++") is None or ce.cuda_include() is None,
@@ -127,6 +127,21 @@ MMA_CASES += [
     (mma("bwd_weight", 2, 1, 7, (16, 16, 2), (2, 1, 1)), ("depthwise",), 7, ("s1d1", "s2d1")),
     (mma("bwd_weight", 1, 1, 4, (32, 16, 1), (2, 1, 1)), ("depthwise",), 4, tuple(ce.GEOMETRIES)),
     (mma("bwd_weight", 3, 4, 3, (8, 16, 2), (2, 1, 1)), ("g4",), 3, ("s1d1", "s2d2")),
+]
+# the few-channel form (fwd, C/G <= 8 < K/G: RGB stems): 3 channels (the halo's own copy, zero-padded to 8), a
+# full 16-byte pixel (C = 8: the cp.async copy), 1 channel in 1D (raw audio); 3x3 and 7x7 filters; K/G at run time
+# (kpg 0: one partial lane block, K = 40 in 16-lane blocks, two groups of 32) and compile time; warps along pixels
+# and lanes; the staged store (its pitch the lanes', not the halo's) where the output is packed
+def few(rank, cpg, kpg, f, tile, warps, dtype="fp16"):
+    fx, fy = (f, 0) if rank == 1 else (f, f)
+    return ce.conv_key("fwd", rank, "direct_mma", tile, (16, 8, 16), warps, dtype, cpg, kpg, fx=fx, fy=fy)
+
+
+MMA_CASES += [
+    (few(2, 3, 0, 3, (8, 16, 4), (2, 1, 1)), ("c3k16", "c3k40", "g2c3k32"), 3, ALL_2D),
+    (few(2, 3, 32, 7, (16, 16, 2), (1, 2, 1), "bf16"), ("c3k32",), 7, ("s1d1", "s2d1", "s2d2")),
+    (few(2, 8, 0, 3, (8, 8, 4), (2, 1, 1)), ("c8k16",), 3, ("s1d1", "s2d1")),
+    (few(1, 1, 0, 4, (32, 8, 1), (2, 1, 1)), ("c1k24",), 4, tuple(ce.GEOMETRIES)),
 ]
 # the depthwise row form (cutlass.rows): 8-pixel groups along W, a full and a partial last k block (24 and 12
 # groups), two and four channels per warp (partial lane blocks: 12 of 16), filter widths 3 / 7 / 4 (1D) with
@@ -334,6 +349,23 @@ def test_direct_mma_refusals(libs):
         status, reason = lib.can_run(conv.make_args(problem, key))
         assert status == abi.UNSUPPORTED and phrase in reason, reason
     assert lib.can_run(conv.make_args(prob(4, 4, 1), key)) == (abi.OK, "")
+
+
+def test_direct_mma_few_channel_refusals(libs):
+    """The few-channel form with K/G at run time refuses groups whose K/G splits a lane block, and other C/G."""
+    key = few(2, 3, 0, 3, (8, 16, 4), (2, 1, 1))
+    lib = built(libs, key)
+
+    def prob(g, cg, kg):
+        return conv.ConvProblem("fwd", 1, g, g * cg, g * kg, (9, 9), (3, 3), 2, 1, 1, 1, "fp16", "fp16", "fp16")
+
+    for problem, phrase in ((prob(2, 3, 24), "inside one group"), (prob(1, 4, 16), "specialized for C/G = 3")):
+        status, reason = lib.can_run(conv.make_args(problem, key))
+        assert status == abi.UNSUPPORTED and phrase in reason, reason
+        assert phrase in backends.family_of(key).module.refusal(problem, key)
+    for problem in (prob(1, 3, 24), prob(2, 3, 32)):
+        assert lib.can_run(conv.make_args(problem, key)) == (abi.OK, "")
+        assert backends.family_of(key).module.refusal(problem, key) is None
 
 
 def test_direct_mma_rows_refusals(libs):

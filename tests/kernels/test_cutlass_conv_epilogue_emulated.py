@@ -1,8 +1,8 @@
 """The cutlass conv kernels' fused forward epilogues without a GPU (tests/kernels/conv_emulation.py: the rendered CUDA
 compiled by g++ against tests/emulate/td_emulate.h): implicit_gemm (its vector and generic stores), direct (vector
-and scalar lanes) and direct_mma (the fused epilogue skips the staged store) with every activation, bias and one or
-two residuals on random data, outputs poisoned, against the float64 reference; a residual with its own strides;
-the fused ABI's refusals. bench/validation/validate_conv_gpu.py runs the same kernels on the GPU."""
+and scalar lanes) and direct_mma (the staged store; the pair stores where beta != 0) with every activation, bias and
+one or two residuals on random data, outputs poisoned, against the float64 reference; a residual with its own
+strides; the fused ABI's refusals. bench/validation/validate_conv_gpu.py runs the same kernels on the GPU."""
 from __future__ import annotations
 
 import shutil
@@ -44,6 +44,11 @@ CASES += [
     (direct(Epilogue("silu", False, 2), vl=8, cpg=1, kpg=1), ("depthwise",), None),
     (direct_mma(Epilogue("relu", True, 1)), ("g4", "g4x3"), 3),
     (direct_mma(Epilogue("gelu_tanh", True, 0), "bf16"), ("g4",), 3),
+    # the few-channel form (a stem: folded batch norm + relu / hard-swish)
+    (ce.conv_key("fwd", 2, "direct_mma", (8, 16, 4), (16, 8, 16), (2, 1, 1), "fp16", 3, 0, fx=3, fy=3,
+                 epilogue=Epilogue("relu", True, 0)), ("c3k16",), 3),
+    (ce.conv_key("fwd", 2, "direct_mma", (8, 16, 4), (16, 8, 16), (1, 2, 1), "fp16", 3, 0, fx=3, fy=3,
+                 epilogue=Epilogue("hardswish", True, 1)), ("c3k40",), 3),
 ]
 
 
@@ -79,12 +84,20 @@ def test_fused_epilogue_matches_reference(tmp, key, kinds, f):
     assert not failures, "\n".join(failures)
 
 
-def test_alpha_beta_and_strided_residual(tmp):
+FEW_CHANNEL_RESIDUAL = ce.conv_key("fwd", 2, "direct_mma", (8, 16, 4), (16, 8, 16), (2, 1, 1), "fp16", 3, 0, fx=3,
+                                   fy=3, epilogue=Epilogue("relu", True, 1))
+
+
+GENERIC_RESIDUAL = igemm(Epilogue("relu", True, 1), extras=(("cutlass.align", 1),))
+
+
+@pytest.mark.parametrize("key,kind,f", [(GENERIC_RESIDUAL, "dense", None), (FEW_CHANNEL_RESIDUAL, "c3k16", 3)],
+                         ids=("implicit_gemm", "direct_mma"))
+def test_alpha_beta_and_strided_residual(tmp, key, kind, f):
     """beta * old Y next to the bias and a residual that is a channel slice of a wider tensor (its own strides)."""
-    key = igemm(Epilogue("relu", True, 1), extras=(("cutlass.align", 1),))
     lib = ce.build(key, tmp)
     rng = np.random.default_rng(11)
-    p, data, _ = fused_case(rng, key, "dense", "s2d1")
+    p, data, _ = fused_case(rng, key, kind, "s2d1", f)
     old = validation.random_array(rng, data["y"].shape, "fp16")
     data["y"][...] = old
     wide = np.zeros(data["y"].shape[:-1] + (24,), np.float16)

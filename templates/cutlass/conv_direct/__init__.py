@@ -62,11 +62,26 @@ def cost_factor(key) -> float:
         factors.append(4.0)
     if alg.pipeline == "direct" and fx > 0:
         factors.append(0.5)
-    if alg.pipeline == "direct_mma" and (cpg >= 4 or direction == "bwd_weight"):
+    if few_channel(key):
+        factors.append(FEW_CHANNEL_FACTOR)
+    elif alg.pipeline == "direct_mma" and (cpg >= 4 or direction == "bwd_weight"):
         factors.append(0.3)
-    if alg.pipeline == "direct_mma" and cpg < 4 and direction != "bwd_weight":
+    elif alg.pipeline == "direct_mma" and cpg < 4 and direction != "bwd_weight":
         factors.append(2.0)
     return math.prod(factors)
+
+
+# The few-channel form (RGB stems) against the kernels that also run those problems: the implicit GEMMs, rated x8
+# (generic) or x1.1 after padding C to 4; the tile model sees the stem's thin reduction (27-147 deep) as cheap on
+# every one of them, so the factor places the kernel built for the stem first.
+FEW_CHANNEL_FACTOR = 0.1
+
+
+def few_channel(key) -> bool:
+    """direct_mma's few-channel form: C/G (cpg) <= 8 input channels and more output channels per group (kpg, or 0:
+    read at run time)."""
+    cpg, kpg = common.extra(key, "cpg"), common.extra(key, "kpg")
+    return key.algorithm.pipeline == "direct_mma" and cpg != kpg
 
 
 def problem_factor(problem, key) -> float:
@@ -126,7 +141,7 @@ def problem_smem_bytes(problem, key) -> int:
     pixels = ((th - 1) * sy + (fy - 1) * dy + 1) * ((tw - 1) * sx + (fx - 1) * dx + 1)
     if alg.pipeline == "direct_mma":
         cpg = common.extra(key, "cpg")
-        cbs = -(-(lanes if lanes % cpg == 0 else cpg) // 8) * 8
+        cbs = 8 if few_channel(key) else -(-(lanes if lanes % cpg == 0 else cpg) // 8) * 8
         pitch = cbs + 8 if cbs % 16 == 0 else cbs
         if problem.direction == "bwd_weight":  # the halo, the dY tile (the same padded pitch) and the sums
             need = (pixels + th * tw) * pitch * 2 + fy * fx * cpg * lanes * 4
@@ -134,7 +149,7 @@ def problem_smem_bytes(problem, key) -> int:
                 need += (pixels + 8 * th + th * tw + 8) * lanes * 2
         else:
             ksteps = -(-(fy * fx * max(1, cpg // 8)) // 2)
-            need = pixels * pitch * 2 + ksteps * lanes // 8 * 256
+            need = max(pixels * pitch, th * tw * stage_pitch(key)) * 2 + ksteps * lanes // 8 * 256
     elif problem.direction == "fwd":
         need = pixels * lanes * 2 + fy * fx * lanes * 4
     else:
@@ -158,8 +173,10 @@ def refusal(problem, key):
     tc, wgrad, bwd = alg.pipeline == "direct_mma", sig.direction == "bwd_weight", sig.direction == "bwd_data"
     pad3 = lambda t, one=1: (one,) * (3 - s) + tuple(t)  # noqa: E731  (D, H, W), missing dims of size 1
     f, st, dil = pad3(problem.filter_size), pad3(problem.stride), pad3(problem.dilation)
-    if cpg and (cg != cpg or kg != kpg):
+    if cpg and (cg != cpg or (kpg and kg != kpg)):
         return f"specialized for C/G = {cpg} and K/G = {kpg}; the problem has C/G = {cg} and K/G = {kg}"
+    if few_channel(key) and problem.g > 1 and kg % alg.tile[1]:
+        return f"direct_mma's few-channel form needs a block's {alg.tile[1]} lanes inside one group"
     if fx and (f[2] != fx or f[1] != (fy or 1)):
         return f"compiled for a {fy or 1} x {fx} filter; the problem's is {f[1]} x {f[2]}"
     if tc and bwd and any(v != 1 for v in st):
@@ -192,8 +209,10 @@ def refusal(problem, key):
         extra = f[0] * -(-(f[1] * f[2] * max(1, cpg // 8)) // 2) * (bn // 8) * 256 if tc else taps * rg * bn * 4
         fixed = 0
 
+    stage = th * tw * stage_pitch(key) * itemsize if tc and not wgrad else 0
+
     def bytes_(hd):
-        return _round16(hd * ext[1] * ext[2] * pitch * itemsize) + fixed
+        return _round16(max(hd * ext[1] * ext[2] * pitch * itemsize, stage)) + fixed
 
     blocks = 1 if common.extra(key, "occupancy") == 1 else 2
     chosen = None
@@ -215,6 +234,18 @@ def refusal(problem, key):
         if items > 64 * threads:
             return f"{items} work items exceed 64 passes of the block's {threads} threads"
     return None
+
+
+def stage_pitch(key) -> int:
+    """Elements per pixel of direct_mma fwd / bwd_data's output tile staged in a halo buffer (STAGE_PITCH): the
+    halo pitch, which holds the lanes in the grouped form; the lanes, an odd number of 16-byte pieces, in the
+    few-channel form, whose halo pitch is 8."""
+    bn = key.algorithm.tile[1]
+    if few_channel(key):
+        return bn if bn // 8 % 2 else bn + 8
+    cpg = common.extra(key, "cpg")
+    cbs = -(-(bn if bn % cpg == 0 else cpg) // 8) * 8
+    return cbs + 8 if cbs % 16 == 0 else cbs
 
 
 def _round16(n: int) -> int:
