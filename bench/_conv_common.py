@@ -10,6 +10,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
 from tiledispatch import abi, backends, cuda  # noqa: E402
+from tiledispatch.families.cutlass.conv_direct import few_channel  # noqa: E402
 from tiledispatch.ops import conv, conv_as_gemm, gemm  # noqa: E402
 from tiledispatch.plan import bind  # noqa: E402
 
@@ -24,7 +25,7 @@ def kind_of(key) -> tuple[str, ...]:
     if alg.pipeline == "implicit_gemm":
         return ("dense", "g16", "g64")
     cpg, kpg = alg.extra("cutlass.cpg", 0), alg.extra("cutlass.kpg", 0)
-    if alg.pipeline == "direct_mma" and cpg != kpg:  # few-channel form: an RGB-like input, K in partial lane blocks
+    if few_channel(key):  # an RGB-like input, K in partial lane blocks
         return (f"few_c{cpg}_k{kpg or alg.tile[1] + 8}",)
     specialized = {1: ("depthwise",), 2: ("g2",), 4: ("g4",), 16: ("g16",)}
     if cpg in specialized:

@@ -27,6 +27,7 @@ import models  # noqa: E402  (bench/benchmarks/models.py: its timer and CUDA-gra
 from stem_probe import graph_ms, setup, time_kernels  # noqa: E402
 import tiledispatch as td  # noqa: E402
 import tiledispatch.torch as tdt  # noqa: E402
+from tiledispatch.families.cutlass.conv_direct import few_channel  # noqa: E402
 from tiledispatch.ops import conv  # noqa: E402
 from tiledispatch.registry import Registry  # noqa: E402
 from tiledispatch.spec.key import Epilogue  # noqa: E402
@@ -42,11 +43,6 @@ def few_channel_layers() -> list[dict]:
     layers = json.loads(SUITE.read_text())["layers"]
     return [lay for lay in layers if lay["groups"] == 1 and lay["c"] <= 8 < lay["k"] and lay["rank"] in (1, 2)
             and math.prod(lay["filter"]) > 1 and "fwd" in lay["directions"]]
-
-
-def is_few_channel(kernel) -> bool:
-    alg = kernel.key.algorithm
-    return alg.pipeline == "direct_mma" and alg.extra("cutlass.cpg", 0) != alg.extra("cutlass.kpg", 0)
 
 
 def channels_last(t: torch.Tensor) -> torch.Tensor:
@@ -66,8 +62,8 @@ def selected(reg, lay: dict) -> str:
 
 def main() -> None:
     a, reg, gen, results = setup(__doc__, "layers")
-    without = Registry([k for k in reg.kernels if not is_few_channel(k)], reg.backend, reg.arch, reg.manifest)
-    results["few_channel_kernels"] = [k.name for k in reg.kernels if is_few_channel(k)]
+    without = Registry([k for k in reg.kernels if not few_channel(k.key)], reg.backend, reg.arch, reg.manifest)
+    results["few_channel_kernels"] = [k.name for k in reg.kernels if few_channel(k.key)]
     functional = {1: F.conv1d, 2: F.conv2d}
     for lay in few_channel_layers():
         rank, stride, dil = lay["rank"], tuple(lay["stride"]), tuple(lay["dilation"])
@@ -106,7 +102,7 @@ def main() -> None:
         if rank == 2 and lo == hi:
             plain = F.conv2d(x, w, None, stride, lo, dil)
             row["plain_cudnn_graph_ms"] = graph_ms(lambda: F.conv2d(x, w, None, stride, lo, dil))
-            kernels = [k for k in reg.kernels if is_few_channel(k) and k.key.signature.epilogue == Epilogue()]
+            kernels = [k for k in reg.kernels if few_channel(k.key) and k.key.signature.epilogue == Epilogue()]
             row["plain_kernels"], _ = time_kernels(
                 kernels, lambda name, out: reg.conv_fwd(x, w, out=out, stride=stride, padding=lo, dilation=dil,
                                                         groups=1, kernel=name),

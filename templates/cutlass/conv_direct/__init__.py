@@ -140,9 +140,7 @@ def problem_smem_bytes(problem, key) -> int:
     (sy, sx), (dy, dx) = problem.stride, problem.dilation
     pixels = ((th - 1) * sy + (fy - 1) * dy + 1) * ((tw - 1) * sx + (fx - 1) * dx + 1)
     if alg.pipeline == "direct_mma":
-        cpg = common.extra(key, "cpg")
-        cbs = 8 if few_channel(key) else -(-(lanes if lanes % cpg == 0 else cpg) // 8) * 8
-        pitch = cbs + 8 if cbs % 16 == 0 else cbs
+        cpg, pitch = common.extra(key, "cpg"), mma_halo_pitch(key)
         if problem.direction == "bwd_weight":  # the halo, the dY tile (the same padded pitch) and the sums
             need = (pixels + th * tw) * pitch * 2 + fy * fx * cpg * lanes * 4
             if common.extra(key, "rows"):  # their transposed copies
@@ -236,6 +234,14 @@ def refusal(problem, key):
     return None
 
 
+def mma_halo_pitch(key) -> int:
+    """Elements per halo pixel of a direct_mma kernel (PITCH_CT): its channels (8 in the few-channel form, else the
+    block's lanes or one group's channels, in 8s), padded to an odd number of 16-byte pieces."""
+    bn, cpg = key.algorithm.tile[1], common.extra(key, "cpg")
+    cbs = 8 if few_channel(key) else -(-(bn if bn % cpg == 0 else cpg) // 8) * 8
+    return cbs + 8 if cbs % 16 == 0 else cbs
+
+
 def stage_pitch(key) -> int:
     """Elements per pixel of direct_mma fwd / bwd_data's output tile staged in a halo buffer (STAGE_PITCH): the
     halo pitch, which holds the lanes in the grouped form; the lanes, an odd number of 16-byte pieces, in the
@@ -243,9 +249,7 @@ def stage_pitch(key) -> int:
     bn = key.algorithm.tile[1]
     if few_channel(key):
         return bn if bn // 8 % 2 else bn + 8
-    cpg = common.extra(key, "cpg")
-    cbs = -(-(bn if bn % cpg == 0 else cpg) // 8) * 8
-    return cbs + 8 if cbs % 16 == 0 else cbs
+    return mma_halo_pitch(key)
 
 
 def _round16(n: int) -> int:
