@@ -32,13 +32,8 @@ def test_models_list_the_kernels_they_were_trained_on():
 
 # Kernels of the sets no sweep has timed yet, named here while a sweep and retrain are pending (a kernel added to a
 # set before its sweep); no model ranks a problem they are candidates for (learned.split; the test below). The
-# test fails once they are swept, so the list empties. Pending: direct_mma's few-channel stems (2026-12-02).
-_FEW_CHANNEL = ("conv2dfwd_fp16xfp16xfp16xfp32_nhwgc_{}_cutlass_sm90a_{}_i16x8x16_pdirectmma_sdataparallel_k1_c1x1x1_st0"
-                "_xcpg3_{}")
-NOT_YET_SWEPT: frozenset = frozenset(
-    [_FEW_CHANNEL.format(epi, "t16x32x8_w4x1x1", "xfx3_xfy3")
-     for epi in ("identity", "identitybias", "relubias", "clampbias", "silubias", "hardswishbias")]
-    + [_FEW_CHANNEL.format(epi, "t16x32x8_w4x1x1", "xfx7_xfy7") for epi in ("identity", "identitybias", "relubias")])
+# test fails once they are swept, so the list empties. Empty: every kernel of the sets is swept (2026-12-02).
+NOT_YET_SWEPT: frozenset = frozenset()
 
 
 def test_preselected_sets_hold_no_kernel_their_model_never_saw():
