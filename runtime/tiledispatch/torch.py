@@ -640,7 +640,7 @@ def _to_depth(x: torch.Tensor, plan: _SpaceToDepth) -> torch.Tensor:
     outer, channels inner)."""
     rank = len(plan.block)
     pads = [v for lo_hi in reversed(plan.pads) for v in lo_hi] + [0, plan.channels - x.shape[1]]
-    xp = F.pad(x, pads)
+    xp = F.pad(x, pads) if any(pads) else x  # (patchify stems: blocks tile the input exactly; one copy, not two)
     n, c = xp.shape[:2]
     blocks = [size // s for size, s in zip(xp.shape[2:], plan.block)]
     split = xp.view(n, c, *(v for b, s in zip(blocks, plan.block) for v in (b, s)))

@@ -722,6 +722,7 @@ def test_small_channel_convs_run_zero_padded_where_the_as_is_kernel_is_a_fallbac
     ((12, 11), (7, 7), (2, 2), (3, 3), 3, False),        # an RGB stem, odd width
     ((9, 8), (3, 3), (2, 2), (1, 1), 3, True),           # a MobileNet-like stem, with bias and relu
     ((10, 13), (4, 4), (4, 4), (0, 0), 3, False),        # a ConvNeXt stem (1x1 taps, pointwise); rows left over
+    ((8, 12), (4, 4), (4, 4), (0, 0), 3, False),         # blocks tiling the input exactly (no padding copy)
     ((40,), (10,), (5,), (0,), 1, False),                # a raw-audio front end
     ((4, 9, 10), (3, 7, 7), (1, 2, 2), (1, 3, 3), 3, False),  # a video stem
 ])

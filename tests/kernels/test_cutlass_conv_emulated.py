@@ -67,6 +67,11 @@ for d in ("fwd", "bwd_data"):
         (direct(d, 2, cpg=1, kpg=1, fx=3, fy=3, tile=(14, 16, 4), mm=7), "depthwise", 3, ALL_2D),
         # the small-map tiles: one 7-pixel group per row, 7 rows, 2 lanes per thread, a square 5x5 filter
         (direct(d, 2, vl=2, cpg=1, kpg=1, fx=5, fy=5, tile=(7, 16, 7), mm=7), "depthwise", 5, ALL_2D),
+        # the narrow-lane tiles (16 and 32 lanes for depthwise layers with few channels): 2 lanes per thread,
+        # 8-pixel groups; 32 lanes: 16 lane vectors, so 4 pixel slots a block, most lanes past the 9 channels
+        (direct(d, 2, vl=2, cpg=1, kpg=1, fx=3, fy=3, tile=(16, 16, 4), mm=8), "depthwise", 3, ALL_2D),
+        (direct(d, 2, vl=2, cpg=1, kpg=1, fx=5, fy=5, tile=(16, 32, 2), mm=8), "depthwise", 5,
+         ("s1d1", "s2d1", "sh2dw2")),
         (direct(d, 1, vl=8, cpg=1, kpg=1, fx=4), "depthwise", 4, tuple(ce.GEOMETRIES)),
         (direct(d, 3, cpg=1, kpg=1, fx=3, fy=3), "depthwise", 3, ("s1d1", "s2d1", "s1d2")),
     ]
