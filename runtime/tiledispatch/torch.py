@@ -42,6 +42,7 @@ needs a workspace gets it on its first call on a stream, from torch's allocator,
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import numbers
@@ -638,15 +639,22 @@ def _to_depth(x: torch.Tensor, plan: _SpaceToDepth) -> torch.Tensor:
     """x [N, C, H...] as the channels-last [N, prod(block) * channels, H'...] input of the unit-stride problem: zero
     padded (channels and spatial dims), then each block's pixels side by side in the channels (block offsets
     outer, channels inner)."""
-    rank = len(plan.block)
-    pads = [v for lo_hi in reversed(plan.pads) for v in lo_hi] + [0, plan.channels - x.shape[1]]
-    xp = F.pad(x, pads) if any(pads) else x  # (patchify stems: blocks tile the input exactly; one copy, not two)
-    n, c = xp.shape[:2]
-    blocks = [size // s for size, s in zip(xp.shape[2:], plan.block)]
-    split = xp.view(n, c, *(v for b, s in zip(blocks, plan.block) for v in (b, s)))
-    # [N, C, B1, S1, B2, S2, ...] -> [N, B1, B2, ..., S1, S2, ..., C]
+    pads, split, order, shape = _depth_layout(plan.block, plan.channels, plan.pads, tuple(x.shape))
+    xp = x if pads is None else F.pad(x, pads)  # (patchify stems: blocks tile the input exactly; one copy, not two)
+    return xp.view(split).permute(order).reshape(shape).movedim(-1, 1)
+
+
+@functools.lru_cache(maxsize=256)
+def _depth_layout(block: tuple, channels: int, pads: tuple, shape: tuple) -> tuple:
+    """_to_depth's steps for an input of `shape`, derived once per shape: F.pad's pads (None: none), the view
+    splitting each padded dim into (blocks, block), the permutation [N, C, B1, S1, B2, S2, ...] -> [N, B1, B2, ...,
+    S1, S2, ..., C] and the shape that merges the block offsets with the channels."""
+    rank = len(block)
+    flat = (*(v for lo_hi in reversed(pads) for v in lo_hi), 0, channels - shape[1])
+    blocks = [(size + lo + hi) // s for size, (lo, hi), s in zip(shape[2:], pads, block)]
+    split = (shape[0], channels, *(v for b, s in zip(blocks, block) for v in (b, s)))
     order = (0, *range(2, 2 + 2 * rank, 2), *range(3, 3 + 2 * rank, 2), 1)
-    return split.permute(order).reshape(n, *blocks, -1).movedim(-1, 1)
+    return (flat if any(flat) else None), split, order, (shape[0], *blocks, -1)
 
 
 def _filter_to_depth(w: torch.Tensor, plan: _SpaceToDepth) -> torch.Tensor:

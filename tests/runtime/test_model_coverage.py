@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
-from tiledispatch import backends, bundle, learned
+from tiledispatch import bundle, learned
 from tiledispatch.generator import kernelset
 from tiledispatch.spec.key import parse_kernel_name
 
