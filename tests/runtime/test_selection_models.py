@@ -246,6 +246,28 @@ def test_native_and_numpy_evaluators_rank_alike_with_the_shipped_models(task):
         assert [n for _, n in sorted(zip(one.tolist(), names))] == [n for _, n in sorted(zip(two.tolist(), names))]
 
 
+@pytest.mark.parametrize("c, k, groups, filt, stride, built_for", [
+    (3, 32, 1, 3, 2, "few_channel"), (3, 64, 1, 7, 2, "few_channel"),  # RGB stems (bench/results/few_channel_h200)
+    (16, 16, 16, 3, 1, 16), (32, 32, 32, 3, 1, 32), (16, 16, 16, 3, 2, 16)])  # depthwise, few channels: lanes
+def test_shipped_fwd_model_picks_the_kernels_built_for_few_channels(c, k, groups, filt, stride, built_for):
+    """The rules the sweeps measured (bench/results/few_channel_h200, narrow_depthwise_h200) as the shipped fwd
+    model ranks conv_fp16_all_essential's kernels that run the layer (N = 32, 112 x 112): an RGB stem on direct_mma's
+    few-channel form, a depthwise layer on a block as wide as its channels (16 or 32 lanes, not 64)."""
+    from tiledispatch.families.cutlass.conv_direct import few_channel
+    from tiledispatch.generator import kernelset
+
+    problem = ConvProblem("fwd", 32, groups, c, k, (112, 112), (filt, filt), (stride, stride), (1, 1),
+                          (filt // 2,) * 2, (filt // 2,) * 2, "fp16", "fp16", "fp16")
+    kernels = [Named(e.key) for e in kernelset.load(["conv_fp16_all_essential"], "cutlass", "sm90a")
+               if problem.mismatch(e.key) is None and backends.family_of(e.key).module.refusal(problem, e.key) is None]
+    assert len(kernels) > 1 and learned.scores(problem, kernels) is not None  # ranked by the model, among several
+    pick = selection.learned(problem, kernels)[0].key
+    if built_for == "few_channel":
+        assert few_channel(pick), pick.name
+    else:
+        assert pick.algorithm.pipeline == "direct" and pick.algorithm.tile[1] == built_for, pick.name
+
+
 def test_learned_falls_back_to_analytic_where_no_model_applies():
     fp16_kernels = sweep_kernels()[:6]
     problem = fp16(512, 512, 512)
