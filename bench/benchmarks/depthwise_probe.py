@@ -69,10 +69,10 @@ def main() -> None:
     wanted = set(filter(None, a.models.split(",")))
     registries = {"selected": reg}
     if a.without:
-        registries["selected_without"] = Registry([k for k in reg.kernels if not re.search(a.without, k.name)],
-                                                  reg.backend, reg.arch, reg.manifest)
-        results["without"] = {"regex": a.without, "kernels": [k.name for k in reg.kernels
-                                                              if re.search(a.without, k.name)]}
+        dropped = {k.name for k in reg.kernels if re.search(a.without, k.name)}
+        registries["selected_without"] = Registry([k for k in reg.kernels if k.name not in dropped], reg.backend,
+                                                  reg.arch, reg.manifest)
+        results["without"] = {"regex": a.without, "kernels": sorted(dropped)}
     for ly in depthwise_layers(a.direction):
         if wanted and not wanted & set(ly["uses"]):
             continue
