@@ -4,8 +4,8 @@
 # kernel cache (every .dev/*.tar.xz); td_pack_cache returns the cache entries built here under $OUT, so
 # the next call (or this machine's user) need not compile them again.
 export PYTHONUNBUFFERED=1
-TD_CACHE=/tmp/tdcache
-TD_BUILD=/tmp/tdbuild
+TD_CACHE=${TD_CACHE:-/tmp/tdcache}  # both may be set before sourcing (a build kept in the repository's ignored
+TD_BUILD=${TD_BUILD:-/tmp/tdbuild}  # build/ survives into the next call on the same warm machine)
 
 td_setup() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -47,14 +47,14 @@ td_pack_out() {
 # td_partial_bundle ARCH BUNDLE: when a build ran out of time, a bundle of the kernels it finished
 td_partial_bundle() {
   [ -f "$TD_BUILD/$2/manifest.json" ] && return 0
-  python3 - "$1" "$2" <<'PY'
+  python3 - "$1" "$2" "$TD_BUILD" <<'PY'
 import shutil, sys
 from pathlib import Path
 sys.path.insert(0, "runtime")
 from tiledispatch import bundle
 from tiledispatch.spec.key import parse_kernel_name
 arch, name = sys.argv[1], sys.argv[2]
-root = Path("/tmp/tdbuild")
+root = Path(sys.argv[3])
 out = root / name
 (out / "kernels").mkdir(parents=True, exist_ok=True)
 keys = []
