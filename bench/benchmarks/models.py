@@ -391,7 +391,8 @@ def folded_model_error(base: nn.Module, freport, x: torch.Tensor, truth: torch.T
     for layer in freport.fused:
         if "batch norm folded" not in layer.epilogue:
             continue
-        conv_name, bn_name = layer.parts[0], layer.parts[1]
+        at = layer.parts.index(layer.name)  # the conv, after the product a scaled conv takes in (FusedScaledConv)
+        conv_name, bn_name = layer.parts[at], layer.parts[at + 1]
         w, b = _fold_bn(originals[conv_name], originals[bn_name])
         conv, bn = modules[conv_name], modules[bn_name]
         with torch.no_grad():

@@ -507,6 +507,11 @@ def _channel_padding(handle: int, direction: str, x: torch.Tensor, k: int, filte
     return wide
 
 
+def _channels_last_filter(w: torch.Tensor) -> torch.Tensor:
+    """_channels_last(w), a copy cached while w is unmodified (_derived)."""
+    return w if _is_channels_last(w) else _derived(w, ("channels_last",), lambda: _channels_last(w))
+
+
 def _zero_padded_channels(t: torch.Tensor, channels: int) -> torch.Tensor:
     """A channels-last copy of t [N or K, C, spatial...] with zero channels appended up to `channels`."""
     out = _new_channels_last((t.shape[0], channels, *t.shape[2:]), t)
@@ -517,17 +522,18 @@ def _zero_padded_channels(t: torch.Tensor, channels: int) -> torch.Tensor:
 
 def _fwd_operands(handle: int, x: torch.Tensor, w: torch.Tensor, geo: _Geometry, epilogue: Epilogue) -> tuple:
     """fwd's channels-last (x, w, geo) as they run: a dense conv with few channels on a space-to-depth copy
-    (_space_to_depth) or zero-padded in its channels (_channel_padding) where that runs faster, else as given."""
-    x, w = _channels_last(x), _channels_last(w)
-    if geo.groups != 1 or not x.shape[1] % _vector_channels(x):
-        return x, w, geo
-    s2d = _space_to_depth(handle, "fwd", x, w.shape[0], tuple(w.shape[2:]), geo, epilogue)
-    if s2d is not None:
-        return _to_depth(x, s2d), _filter_to_depth(w, s2d), s2d.geo
-    wide = _channel_padding(handle, "fwd", x, w.shape[0], tuple(w.shape[2:]), geo, epilogue)
-    if not wide:
-        return x, w, geo
-    return _zero_padded_channels(x, wide), _zero_padded_channels(w, wide), geo
+    (_space_to_depth) or zero-padded in its channels (_channel_padding) where that runs faster, else as given.
+    Those copies are made from x as it is (one copy, not a channels-last one first); what is derived from w alone
+    is cached (_derived)."""
+    if geo.groups == 1 and x.shape[1] % _vector_channels(x):
+        s2d = _space_to_depth(handle, "fwd", x, w.shape[0], tuple(w.shape[2:]), geo, epilogue)
+        if s2d is not None:
+            return _to_depth(x, s2d), _derived(w, ("depth", s2d), lambda: _filter_to_depth(w, s2d)), s2d.geo
+        wide = _channel_padding(handle, "fwd", x, w.shape[0], tuple(w.shape[2:]), geo, epilogue)
+        if wide:
+            return (_zero_padded_channels(x, wide), _derived(w, ("channels", wide), lambda: _zero_padded_channels(
+                w, wide)), geo)
+    return _channels_last(x), _channels_last_filter(w), geo
 
 
 # -- space to depth ---------------------------------------------------------------------------------------------
@@ -641,7 +647,7 @@ def _to_depth(x: torch.Tensor, plan: _SpaceToDepth) -> torch.Tensor:
     outer, channels inner)."""
     pads, split, order, shape = _depth_layout(plan.block, plan.channels, plan.pads, tuple(x.shape))
     xp = x if pads is None else F.pad(x, pads)  # (patchify stems: blocks tile the input exactly; one copy, not two)
-    return xp.view(split).permute(order).reshape(shape).movedim(-1, 1)
+    return xp.reshape(split).permute(order).reshape(shape).movedim(-1, 1)  # (a view where x is dense)
 
 
 @functools.lru_cache(maxsize=256)
@@ -706,10 +712,33 @@ def _conv_fwd_run(x, w, geo: _Geometry, handle: int):
         _check_conv_dtypes(("x", x), ("w", w))
     reg = _registry_for(handle, x)
     xc, wc, geo = _fwd_operands(handle, x, w, geo, _PLAIN_EPILOGUE)
+    if _mapped(x, w, xc, wc):
+        return _on_copies(handle, xc, wc, None, (), "identity", NO_CLAMP, geo)
     y = _new_channels_last(geo.fwd_shape(xc, wc), xc)
     conv_op.run(reg, "fwd", xc, wc, y, y, geo.options[0.0], geo.keys[0.0])
     if xc is x and wc is w:
         _mark_direct(_conv_pointers)
+    return y
+
+
+def _mapped(x, w, xc, wc) -> bool:
+    """Whether _fwd_operands mapped the operands (channels-last copies, space to depth, channel padding) to ones
+    it takes as they are: channels-last, their channels a whole number of vectors."""
+    return (xc is not x or wc is not w) and _channels_last(xc) is xc and _channels_last(wc) is wc and \
+        not xc.shape[1] % _vector_channels(xc)
+
+
+def _on_copies(handle: int, x, w, bias, residuals: tuple, activation: str, clamp: tuple, geo: _Geometry):
+    """The forward conv on operands _fwd_operands mapped, as a launch remembered under the copies' fingerprints
+    (the caller's call launches on no tensor of its own, so it is not one to remember): a later call copies again
+    (its filter copy is cached, _derived) and launches the remembered call instead of routing and checking anew."""
+    options, grad = ("conv", activation, clamp, geo), _requires_grad(x, w, bias, *residuals)
+    if bias is None and not residuals and activation == "identity":
+        y = _remembered(handle, x, w, None, (), options, _conv_fwd_run, x, w, geo, handle, grad=grad)
+    else:
+        y = _remembered(handle, x, w, bias, residuals, options, _conv_fwd_epilogue_run, x, w, bias, residuals,
+                        activation, clamp, geo, handle, grad=grad)
+    _DIRECT.launch = None  # that launch read the copies: the caller's call, which read its own tensors, is not it
     return y
 
 
@@ -726,6 +755,8 @@ def _conv_fwd_epilogue_run(x, w, bias, residuals, activation: str, clamp: tuple,
     if activation not in ACTIVATIONS:
         raise InvalidInputError(f"unknown activation {activation!r} (known: {', '.join(ACTIVATIONS)})")
     xc, wc, geo = _fwd_operands(handle, x, w, geo, Epilogue(activation, bias is not None, len(residuals)))
+    if _mapped(x, w, xc, wc):
+        return _on_copies(handle, xc, wc, bias, residuals, activation, clamp, geo)
     in_place = xc is x and wc is w and all(_channels_last(r) is r for r in residuals)  # the caller's memory, as given
     x, w = xc, wc
     shape = geo.fwd_shape(x, w)
@@ -850,28 +881,37 @@ def _pads_outputs(handle: int, problem: ConvProblem, vector: int) -> bool:
     return not fuses(problem.k) and fuses(-(-problem.k // vector) * vector)
 
 
-_PADDED_ROWS: dict = {}  # (id of a tensor, rows) -> (weak reference to it, its version, its zero-padded copy)
+_DERIVED: dict = {}  # (id of a tensor, what was derived) -> (weak reference to it, its version, the derived tensor)
 
 
-def _zero_padded_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """t [K, ...] with zero rows appended up to `rows`; cached while t lives unmodified (an inference tensor,
-    which has no version counter to tell, is padded anew on every call)."""
-    key = (id(t), rows)
+def _derived(t: torch.Tensor, what: tuple, make) -> torch.Tensor:
+    """make(): a tensor derived from t alone (a weight zero-padded or mapped to another layout), cached while t
+    lives unmodified: a layer's weights are derived once, not on every call. An inference tensor, which has no
+    version counter to tell, is derived anew on every call."""
+    key = (id(t), what)
     try:
         version = t._version
     except RuntimeError:  # an inference tensor
         version = None
-    hit = _PADDED_ROWS.get(key)
+    hit = _DERIVED.get(key)
     if hit is not None and version is not None and hit[0]() is t and hit[1] == version:
         return hit[2]
     with torch.no_grad():
+        out = make()
+    if version is not None:
+        if len(_DERIVED) >= _MEMO_SIZE:
+            _DERIVED.clear()
+        _DERIVED[key] = (weakref.ref(t), version, out)
+    return out
+
+
+def _zero_padded_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """t [K, ...] with zero rows appended up to `rows` (cached: _derived)."""
+    def make():
         padded = t.new_zeros((rows, *t.shape[1:]))
         padded[:t.shape[0]].copy_(t)
-    if version is not None:
-        if len(_PADDED_ROWS) >= _MEMO_SIZE:
-            _PADDED_ROWS.clear()
-        _PADDED_ROWS[key] = (weakref.ref(t), version, padded)
-    return padded
+        return padded
+    return _derived(t, ("rows", rows), make)
 
 
 def _pointwise_gemm(reg, handle: int, x, w, bias, residuals, activation: str, clamp: tuple, y, in_place: bool,

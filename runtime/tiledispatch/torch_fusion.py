@@ -6,6 +6,9 @@
 Chains fused (each into one call of tiledispatch.torch.conv / matmul with an epilogue):
     conv -> [batch norm] -> [+ residual] -> [activation]
     linear -> [scale, permute ...] -> [+ residual] -> [activation]
+A pointwise conv's input may be a product x * s, s holding one value per sample and channel (squeeze-excitation's
+scale, [N, C, 1, 1]): the product is taken into the fused call (FusedScaledConv: where each sample's pixels fill
+GEMM tiles, the weight is scaled per sample instead of x, and the conv runs as one batched GEMM).
 A scale is a multiply by a model tensor holding one value per output feature (ConvNeXt's layer scale), in eval
 mode only: like a batch norm it is folded into the weight and bias (in float32, cast to the weight's dtype). A
 permute between the linear and what is fused moves the residual into the linear's layout and the result out of
@@ -107,6 +110,48 @@ class FusedConv(nn.Module):
         y = tdt._conv(x, self.weight, self.bias, self.stride, self.dilation, self.pad_lo, self.pad_hi, self.groups,
                       self.handle, geo)  # a broadcast or promoting add: torch's, as the model had it
         return _torch_activation(y + residual, self.activation, self.clamp)
+
+
+# Scaling each sample's weight [K, C] instead of its pixels [P, C] pays where the weight is the smaller (K < P) and
+# each sample's GEMM still fills whole tiles of rows (P >= _FOLD_MIN_PIXELS): the early, large-map layers of
+# squeeze-excitation models, whose x * s multiplies cost the most. Elsewhere x * s is torch's multiply, as the model.
+_FOLD_MIN_PIXELS = 256
+
+
+class FusedScaledConv(FusedConv):
+    """act(conv(a * b, weight) + bias + residual) for a pointwise conv (1x1 taps, unit stride, no padding, one
+    group) whose input is a product: where one factor holds one value per sample and channel ([N, C, 1, ...], the
+    other [N, C, spatial...]) and the rule above holds, the conv runs as one batched GEMM per sample on the weight
+    scaled by that sample's values (x is read once, by the GEMM); otherwise on a * b, as the model computed it."""
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        scale, x = (a, b) if _per_sample_channel(a, b) else (b, a) if _per_sample_channel(b, a) else (None, None)
+        k = self.weight.shape[0]
+        pixels = 0 if x is None else x[0, 0].numel()
+        if scale is None or pixels < max(_FOLD_MIN_PIXELS, k + 1) or (self.folded_bn and self.training):
+            return super().forward(a * b, residual)
+        n, c = x.shape[:2]
+        rows = x.movedim(1, -1).reshape(n, pixels, c)  # a view of channels-last x
+        weights = self.weight.reshape(1, k, c) * scale.reshape(n, 1, c)  # [N, K, C]: B column-major per sample
+        spatial = x.shape[2:]
+        residuals = ()
+        if residual is not None:
+            if residual.shape != (n, k, *spatial) or residual.dtype != _compute_dtype(x):
+                y = self._gemm(rows, weights, (), "identity", NO_CLAMP).view(n, *spatial, k).movedim(-1, 1)
+                return _torch_activation(y + residual, self.activation, self.clamp)  # torch's add, as the model's
+            residuals = (residual.movedim(1, -1).reshape(n, pixels, k),)
+        return self._gemm(rows, weights, residuals, self.activation, self.clamp).view(n, *spatial, k).movedim(-1, 1)
+
+    def _gemm(self, rows, weights, residuals: tuple, activation: str, clamp: tuple) -> torch.Tensor:
+        return tdt._matmul(rows, weights.transpose(1, 2), self.bias, residuals, activation, *clamp, self.handle)
+
+
+def _per_sample_channel(s: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether s holds one value per sample and channel of x ([N, C, 1, ...] against [N, C, spatial...]) in x's
+    dtype."""
+    return (isinstance(s, torch.Tensor) and isinstance(x, torch.Tensor) and s.dim() == x.dim() > 2
+            and s.shape[:2] == x.shape[:2] and all(d == 1 for d in s.shape[2:]) and s.dtype == x.dtype
+            and s.device == x.device)
 
 
 class FusedLinear(nn.Module):
@@ -303,6 +348,25 @@ def _residual_of(node: fx.Node, cur: fx.Node) -> Optional[fx.Node]:
     if not isinstance(other, fx.Node) or other is cur:
         return None
     return other
+
+
+_MULS = (operator.mul, torch.mul)
+
+
+def _scaled_input(anchor: fx.Node, conv: nn.Module) -> Optional[fx.Node]:
+    """The node computing a pointwise conv's input when it is a product a * b of two graph tensors read by the conv
+    alone (FusedScaledConv's pattern), else None."""
+    node = anchor.args[0]
+    if not isinstance(node, fx.Node) or len(node.users) != 1 or node.kwargs or len(node.args) != 2:
+        return None
+    if not ((node.op == "call_function" and node.target in _MULS) or (node.op == "call_method"
+                                                                      and node.target == "mul")):
+        return None
+    if not all(isinstance(v, fx.Node) for v in node.args) or node.args[0] is node.args[1]:
+        return None
+    pointwise = (all(v == 1 for v in (*conv.kernel_size, *conv.stride, *conv.dilation, conv.groups))
+                 and tdt._conv_padding(conv) == ([0] * len(conv.kernel_size),) * 2 and conv.padding_mode == "zeros")
+    return node if pointwise else None
 
 
 def _permute_dims(node: fx.Node, cur: fx.Node) -> Optional[list]:
@@ -574,9 +638,13 @@ class _Pass:
         """nodes[0] (the layer) to nodes[-1] as one fused module's call. scale: per output feature, folded into a
         linear's weight and bias; layout: the permutation between the linear's output and the last node's
         (FusedLinear's)."""
-        if len(nodes) == 1:
-            return False
         anchor, last = nodes[0], nodes[-1]
+        product = _scaled_input(anchor, m) if kind == "conv" else None
+        if len(nodes) == 1 and product is None:
+            return False
+        inputs = (anchor.args[0],) if product is None else tuple(product.args)
+        if product is not None:
+            parts.insert(0, _describe(product, prefix))
         if kind == "conv":
             if bn is not None:
                 # the folded layer's own parameters (as torch.ao's eval-mode fusion makes them): they require grad
@@ -586,8 +654,9 @@ class _Pass:
                 weight, bias = nn.Parameter(w, requires_grad=grad), nn.Parameter(b, requires_grad=grad)
             else:
                 weight, bias = m.weight, m.bias
-            fused = FusedConv(m, weight, bias, handle=self.handle, residual=residual is not None,
-                              activation=activation, clamp=clamp, folded_bn=bn is not None)
+            fused = (FusedConv if product is None else FusedScaledConv)(
+                m, weight, bias, handle=self.handle, residual=residual is not None, activation=activation,
+                clamp=clamp, folded_bn=bn is not None)
         else:
             weight, bias = m.weight, m.bias
             if scale is not None:
@@ -600,11 +669,12 @@ class _Pass:
         fused.train(m.training)
         gm.add_submodule(anchor.target, fused)  # in the layer's place: its name, and its parameters' names, stay
         with gm.graph.inserting_before(last):
-            new = gm.graph.call_module(anchor.target, (anchor.args[0],) + ((residual,) if residual is not None
-                                                                          else ()))
+            new = gm.graph.call_module(anchor.target, inputs + ((residual,) if residual is not None else ()))
         last.replace_all_uses_with(new)
         for node in reversed(nodes):
             gm.graph.erase_node(node)
+        if product is not None:
+            gm.graph.erase_node(product)
         folded = " (batch norm folded)" if bn is not None else " (scale folded)" if scale is not None else ""
         epilogue = " + ".join([f"bias{folded}"] * (fused.bias is not None) + ["residual"] * (residual is not None)) or (
             "none" + folded)

@@ -565,6 +565,74 @@ def test_fuse_mobilenet_inverted_residuals_in_eval_mode(reg):
         assert rel_err(fused(x), model(x)) < MODEL_TOL
 
 
+class SqueezeExcitedBlock(nn.Module):
+    """EfficientNet's MBConv as torchvision writes it: pointwise expand + BN + SiLU, depthwise + BN + SiLU, the
+    squeeze-excitation (average pool, fc1, SiLU, fc2, sigmoid, scale * input), pointwise project + BN, residual."""
+
+    def __init__(self, c, expand):
+        super().__init__()
+        e = c * expand
+        self.expand = nn.Sequential(nn.Conv2d(c, e, 1, bias=False), nn.BatchNorm2d(e), nn.SiLU())
+        self.depthwise = nn.Sequential(nn.Conv2d(e, e, 3, 1, 1, groups=e, bias=False), nn.BatchNorm2d(e), nn.SiLU())
+        self.fc1, self.fc2 = nn.Conv2d(e, c // 2, 1), nn.Conv2d(c // 2, e, 1)
+        self.project = nn.Sequential(nn.Conv2d(e, c, 1, bias=False), nn.BatchNorm2d(c))
+
+    def forward(self, x):
+        h = self.depthwise(self.expand(x))
+        scale = torch.sigmoid(self.fc2(F.silu(self.fc1(F.adaptive_avg_pool2d(h, 1)))))
+        return x + self.project(scale * h)
+
+
+@pytest.mark.parametrize("fold_from", [0, 10 ** 9])  # every map folds / none does
+def test_a_squeeze_excitation_scale_is_taken_into_the_projection(reg, monkeypatch, fold_from):
+    """scale * h -> pointwise conv -> BN -> + residual is one FusedScaledConv: on maps where the rule folds, a
+    batched GEMM on the weight scaled per sample (no multiply of h), elsewhere on h * scale; output and the input's
+    gradient as the unfused model's. A product of two maps (no per-sample scale) runs as the model's multiply."""
+    from tiledispatch import torch_fusion as tdf
+    monkeypatch.setattr(tdf, "_FOLD_MIN_PIXELS", fold_from)
+    model = make(lambda: SqueezeExcitedBlock(8, 4)).eval()
+    fused, report = tdt.fuse(model, reg)
+    project = fused.get_submodule("project.0")
+    assert isinstance(project, tdf.FusedScaledConv)
+    parts = _fused_parts(report)["project.0"]
+    assert parts[1][0].startswith("mul (") and parts[1][1:] == ["project.0", "project.1", "+"]
+    batched = []
+    matmul = tdt._matmul
+
+    def spy(a, b, *args, **kw):
+        batched.append(a.dim() == 3)
+        return matmul(a, b, *args, **kw)
+    monkeypatch.setattr(tdt, "_matmul", spy)
+    x = rand(2, 8, 16, 16, seed=30)
+    with torch.no_grad():
+        assert rel_err(fused(x), model(x)) < MODEL_TOL
+    assert any(batched) == (fold_from == 0)
+    xs, xr = leaf(x), leaf(x)
+    fused(xs).square().sum().backward()
+    model(xr).square().sum().backward()
+    assert rel_err(xs.grad, xr.grad) < GRAD_TOL
+    h = rand(2, 32, 16, 16, seed=31)
+    with torch.no_grad():  # both factors full maps: the model's multiply, then the conv
+        want = model.project(h * h) + 0
+        assert rel_err(project(h, h), want) < MODEL_TOL
+    if fold_from:
+        return
+    # traced whole by torch.compile: the batched GEMM is the operator's call in the graph
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return make_boxed_func(gm.forward)
+    torch._dynamo.reset()
+    compiled = torch.compile(fused, fullgraph=True, backend=aot_autograd(fw_compiler=capture))
+    with torch.no_grad():
+        assert rel_err(compiled(x), model(x)) < MODEL_TOL
+    assert "tiledispatch.gemm.default" in graphs[0] and "aten.mul.Tensor" in graphs[0]  # (the weight's scaling)
+
+
 def test_fuse_convnext_blocks_linear_gelu(reg):
     """linear -> GELU, and linear -> layer scale -> permute -> + residual with the scale folded: in both the
     block written as the test's CNBlock and as torchvision's (permute modules, a (C, 1, 1) scale after the permute,

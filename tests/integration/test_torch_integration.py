@@ -258,7 +258,7 @@ def test_a_pointwise_conv_with_unaligned_output_channels_runs_padded_on_a_fused_
     runs = tdt._gemm_runs
     monkeypatch.setattr(tdt, "_gemm_runs", lambda handle, dtype, layout, epi, shape: (
         (epi.activation == "identity" or shape[2] % 8 == 0) and runs(handle, dtype, layout, epi, shape)))
-    for memo in ("_ROUTES", "_CONV_ROUTES", "_PADDED_ROWS"):
+    for memo in ("_ROUTES", "_CONV_ROUTES", "_DERIVED"):
         monkeypatch.setattr(tdt, memo, {})
     calls = []
     original = td.Registry.gemm
@@ -284,10 +284,10 @@ def test_a_pointwise_conv_with_unaligned_output_channels_runs_padded_on_a_fused_
     for got, want in zip((xs, ws, bs), exact):
         assert rel_err(got.grad, want.grad) < GRAD_TOL[half]
     # the second call pads nothing anew; an in-place change to the weight is seen
-    padded = {key: entry[2] for key, entry in tdt._PADDED_ROWS.items()}
+    padded = {key: entry[2] for key, entry in tdt._DERIVED.items()}
     assert len(padded) == 2
     tdt.conv(xs, ws, bs, registry=h, activation="relu")
-    assert all(tdt._PADDED_ROWS[key][2] is t for key, t in padded.items())
+    assert all(tdt._DERIVED[key][2] is t for key, t in padded.items())
     with torch.no_grad():
         ws.mul_(-1)
     out = tdt.conv(xs, ws, bs, registry=h, activation="relu")
@@ -786,6 +786,52 @@ def test_few_channel_strided_convs_run_on_a_space_to_depth_copy(reg, monkeypatch
         assert rel_err(dw, want) < GRAD_TOL[torch.float32]
 
 
+@pytest.mark.parametrize("filt, stride, pad, channels, runs_on", [
+    ((4, 4), (4, 4), (0, 0), 3, 48),  # a ConvNeXt stem: space to depth (4 x 4 blocks of 3 channels)
+    ((3, 3), (1, 1), (1, 1), 3, 4),   # unit stride, 3 channels zero-padded to a vector's 4
+    ((3, 3), (1, 1), (1, 1), 8, 8),   # an aligned conv on x that is not channels-last: a channels-last copy
+])
+def test_eager_calls_on_mapped_copies_launch_the_remembered_call(reg, monkeypatch, filt, stride, pad, channels,
+                                                                 runs_on):
+    """An inference call whose conv runs on copies of its operands (space to depth, channels zero-padded, a
+    channels-last copy) routes and checks once: later calls copy x, reuse what was derived from the weight while
+    it is unmodified and launch the call remembered on the copies (no conv call through the registry); outputs
+    against float64, an in-place change to the weight seen."""
+    monkeypatch.setattr(tdt, "_SPACE_TO_DEPTH", "on")
+    monkeypatch.setattr(tdt, "_DERIVED", {})
+    if runs_on == 4:  # this bundle's cost model keeps 3 channels as they are: the padding forced
+        monkeypatch.setattr(tdt, "_channel_padding", lambda *args: runs_on)
+    tdt._S2D_ROUTES.clear()
+    reg.clear_caches()
+    from tiledispatch.ops import conv as conv_op
+
+    calls, run = [], conv_op.run
+
+    def run_spy(registry, direction, x, *args):
+        calls.append((direction, x.shape[1]))
+        return run(registry, direction, x, *args)
+    monkeypatch.setattr(conv_op, "run", run_spy)
+    w = rand(6, channels, *filt, seed=160)
+    derived = {}
+    with torch.no_grad():
+        for step in range(3):
+            if step == 2:
+                w.mul_(-1)
+            x = rand(2, channels, 12, 16, seed=161 + step)
+            calls.clear()
+            out = tdt.conv(x, w, registry=reg, stride=stride, padding=pad)
+            ref = F.conv2d(x.double(), w.double(), stride=stride, padding=pad)
+            assert out.shape == ref.shape and rel_err(out, ref) < TOL[torch.float32]
+            made = {key: entry[2] for key, entry in tdt._DERIVED.items() if key[0] == id(w)}  # w's own copies
+            if step == 0:  # the conv kernel (or, pointwise, the GEMM route) ran on the copies
+                assert calls in ([("fwd", runs_on)], []) and made
+                derived = made
+            else:
+                assert calls == []
+                same = [made[key] is t for key, t in derived.items()]
+                assert all(same) if step == 1 else not any(same)  # made anew after the in-place change
+
+
 def test_space_to_depth_is_chosen_where_few_taps_are_added_and_the_cost_model_rates_it_cheaper(reg, monkeypatch):
     """The "auto" route maps a few-channel strided conv where the cost model (here: a kernel for whole 4-channel
     vectors costs 1, any other 8, the mapped problem's sums counted) rates it cheaper and the filter gains at most
@@ -922,8 +968,9 @@ def test_the_eager_fast_path_remembers_only_whole_results_on_the_callers_tensors
             assert rel_err(tdt.linear(x, w, b, registry=h, residuals=(x @ w.t(),)),
                            2 * want_linear + b.double()) < TOL[torch.float32]
             assert rel_err(tdt.linear(x, w, registry=h), want_linear) < TOL[torch.float32]
-        # the plain channels-last conv and the plain linear (the bias + residual linear folds them into beta * C)
-        assert _remembered(reg) == 2
+        # the plain channels-last conv, the launch on the other input's channels-last copy (under the copy's
+        # fingerprint, not the caller's) and the plain linear (the bias + residual linear folds them into beta * C)
+        assert _remembered(reg) == 3
         out = torch.empty(8, 24)
         reg.gemm(x, w.t(), out, alpha=2.0)  # the prepared launch tdt.linear's remembered call holds, other alpha
         assert rel_err(out, 2 * want_linear) < TOL[torch.float32]
