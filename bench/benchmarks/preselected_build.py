@@ -5,11 +5,12 @@
         [--state build/preselected_build] [--out bench/results/preselected_build.json] [--sets a,b]
     python3 bench/benchmarks/preselected_build.py table [--results bench/results/preselected_build.json]
 
-measure: each set with cutlass kernels for the arch, smallest first, built cold (a build directory of its own under
---state, no kernel cache) with scons -jJOBS, as `scons kernels=SET backend=cutlass arch=ARCH` builds it for a user.
-A set whose build does not finish within what is left of --budget seconds goes on at the next call from its build
-directory (the kernels it finished stay built; none is compiled twice), so its cold time is the sum of its
-attempts; exit 3 until every set is done. The JSON is rewritten after each attempt. Run it on the GPU machine (16
+measure: each set with cutlass kernels for the arch, smallest first, built cold (a build directory and a kernel
+cache of its own under --state, both empty at its first attempt) with scons -jJOBS, as `scons kernels=SET
+backend=cutlass arch=ARCH` builds it for a user. A set whose build does not finish within what is left of --budget
+seconds goes on at the next call: its attempt stored each kernel it finished in the set's cache as it finished it,
+and the next attempt fetches those instead of compiling them again, so its cold time is the sum of its attempts
+(cold_seconds). Exit 3 until every set is done. The JSON is rewritten after each attempt. Run it on the GPU machine (16
 cores) after `source bench/gpu_env.sh && td_setup` (nvcc and the CUTLASS headers); it needs no GPU.
 table: rewrites the table between the markers of preselected/README.md from the sets (counts) and the results
 (cold times); tests/integration/test_suites.py checks that the README holds what this writes.
@@ -21,6 +22,7 @@ import functools
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -59,10 +61,13 @@ def read_results(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {"machine": {}, "sets": {}}
 
 
-def build(set_name: str, arch: str, jobs: int, build_dir: Path, seconds: float) -> dict:
-    """One attempt: scons in the set's own build directory, no cache, killed (with its compilers) at `seconds`."""
+def build(set_name: str, arch: str, jobs: int, build_dir: Path, cache_dir: Path, seconds: float) -> dict:
+    """One attempt: scons in the set's own build directory with the set's own kernel cache, killed (with its
+    compilers) at `seconds`. The cache is what carries a cut-off attempt's work to the next: SCons records which
+    targets are up to date only when it exits, so after a kill the build directory's libraries alone would all be
+    compiled again, while the cache receives each kernel as it is built."""
     cmd = [sys.executable, "-m", "SCons", "-Q", "-C", str(REPO), f"kernels={set_name}", "backend=cutlass",
-           f"arch={arch}", f"build_dir={build_dir}", "cache_dir=none", f"bundle={set_name}", f"-j{jobs}"]
+           f"arch={arch}", f"build_dir={build_dir}", f"cache_dir={cache_dir}", f"bundle={set_name}", f"-j{jobs}"]
     start = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -83,6 +88,15 @@ def build(set_name: str, arch: str, jobs: int, build_dir: Path, seconds: float) 
     return attempt
 
 
+def cold_seconds(attempts: list) -> float:
+    """A set's cold build time from its attempts: their sum, from the last attempt that compiled every kernel of the
+    set on (that one built nothing on the attempts before it: results of this script from before the per-set cache
+    have such attempts, whose cut-off predecessors' work was lost)."""
+    start = max((i for i, x in enumerate(attempts) if x.get("kernels") and x.get("compiled") == x["kernels"]),
+                default=0)
+    return round(sum(x["seconds"] for x in attempts[start:]), 1)
+
+
 def measure(a) -> int:
     results = read_results(a.out)
     results["machine"] = {"cpu": _cpu_model(), "cpu_count": os.cpu_count(), "jobs": a.jobs, "nvcc": _nvcc(),
@@ -98,10 +112,14 @@ def measure(a) -> int:
         left = deadline - time.time()
         if left < 30:
             break
-        attempt = build(name, arch, a.jobs, a.state / f"{name}_{arch}", left)
+        build_dir, cache_dir = a.state / f"{name}_{arch}", a.state / f"{name}_{arch}.cache"
+        if not entry["attempts"]:  # a cold build starts from nothing
+            shutil.rmtree(build_dir, ignore_errors=True)
+            shutil.rmtree(cache_dir, ignore_errors=True)
+        attempt = build(name, arch, a.jobs, build_dir, cache_dir, left)
         entry["attempts"].append(attempt)
         if attempt["rc"] == 0:
-            entry["cold_seconds"] = round(sum(x["seconds"] for x in entry["attempts"]), 1)
+            entry["cold_seconds"] = cold_seconds(entry["attempts"])
         print(f"{name} cutlass/{arch}: {kernels} kernels, attempt {attempt}"
               + (f" -> cold build {entry['cold_seconds']} s" if "cold_seconds" in entry else ""), flush=True)
         a.out.parent.mkdir(parents=True, exist_ok=True)

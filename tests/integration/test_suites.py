@@ -347,8 +347,19 @@ def test_preselected_measure_goes_on_across_calls(monkeypatch, tmp_path):
     attempts = iter([{"seconds": 500.0, "rc": None}, {"seconds": 70.0, "rc": 0}, {"seconds": 90.0, "rc": 0}])
     sets = {"big": {"cutlass/sm90a": 9}, "small": {"cutlass/sm90a": 2}, "amd": {"ck_tile/gfx942": 3}}
     monkeypatch.setattr(preselected_build, "counts", lambda: sets)
-    seen = []
-    monkeypatch.setattr(preselected_build, "build", lambda name, *_: seen.append(name) or next(attempts))
+    seen, dirs = [], []
+
+    def build(name, arch, jobs, build_dir, cache_dir, seconds):
+        seen.append(name)
+        dirs.append((build_dir, cache_dir, sorted(p.name for p in cache_dir.glob("*")) if cache_dir.exists() else []))
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        (cache_dir / f"kernel{len(seen)}").write_text("built")  # what the attempt stored in the set's cache
+        return next(attempts)
+
+    monkeypatch.setattr(preselected_build, "build", build)
+    stale = tmp_path / "small_sm90a.cache"
+    stale.mkdir()
+    (stale / "old").write_text("a previous measurement's kernel")
     args = ["measure", "--archs", "sm90a", "--out", str(tmp_path / "r.json"), "--state", str(tmp_path)]
     assert preselected_build.main(args) == 3  # the smallest set first, cut off: call again
     assert preselected_build.main(args) == 0
@@ -356,6 +367,20 @@ def test_preselected_measure_goes_on_across_calls(monkeypatch, tmp_path):
     assert seen == ["small", "small", "big"]
     assert result["small cutlass/sm90a"]["cold_seconds"] == 570.0
     assert result["big cutlass/sm90a"]["cold_seconds"] == 90.0 and "amd cutlass/sm90a" not in result
+    # the first attempt starts from an empty cache of the set's own; the next one has what the first stored
+    assert dirs[0][1] == dirs[1][1] == stale and dirs[0][2] == [] and dirs[1][2] == ["kernel1"]
+    assert dirs[2][1] != stale and dirs[0][0] == dirs[1][0] != dirs[2][0]
+
+
+def test_preselected_cold_time_of_attempts():
+    """The sum of the attempts, except that one which compiled every kernel started over (results from before the
+    per-set cache: a killed scons kept no record of the kernels it had built)."""
+    cut = {"seconds": 147.6, "rc": None, "compiled": 217}
+    resumed = {"seconds": 40.0, "rc": 0, "kernels": 334, "compiled": 117, "cached": 217, "up_to_date": 0}
+    again = {"seconds": 371.5, "rc": 0, "kernels": 334, "compiled": 334, "cached": 0, "up_to_date": 0}
+    assert preselected_build.cold_seconds([cut, resumed]) == 187.6
+    assert preselected_build.cold_seconds([cut, again]) == 371.5
+    assert preselected_build.cold_seconds([again]) == 371.5
 
 
 def test_runner_markdown_table_has_a_row_per_group():
