@@ -155,8 +155,9 @@ def _dtype_name(t: torch.Tensor, role: str) -> str:
 @dataclass(frozen=True)
 class _GemmRoute:
     """How one GEMM call runs on the bundle: the layout letters A and B are brought to (None: used in place),
-    whether bias / residuals go in through beta * C (the bundle has no kernel fusing them), the epilogue the kernel
-    computes, and whether torch applies the activation after it (no kernel computing it runs the problem)."""
+    whether what the kernel's epilogue lacks of the call's (the residuals, and the bias where the kernel takes none)
+    goes in through beta * C, the epilogue the kernel computes, and whether torch applies the activation after it
+    (no kernel computing it runs the problem)."""
     layout: str
     copy_a: Optional[str]
     copy_b: Optional[str]
@@ -218,14 +219,17 @@ def _choose_route(handle, dtype, activation, bias, residuals, letters_a, letters
 
 
 def _cheapest_route(handle, dtype, activation, bias, residuals, letters_a, letters_b, shape) -> Optional[_GemmRoute]:
-    """The cheapest route whose kernels compute this epilogue (and run the shape, where given), or None."""
+    """The cheapest route whose kernels compute this epilogue (and run the shape, where given), or None: a kernel
+    fusing all of it; else one fusing the activation and the bias, the residuals through beta * C; else one fusing
+    the activation alone, bias and residuals through beta * C."""
     caps = _CAPS[handle].gemm
     exact = Epilogue(activation, bias, residuals)
+    with_bias = Epilogue(activation, True, 0)
     plain = Epilogue(activation, False, 0)
     best = None
     for layout in sorted({c[1] for c in caps if c[0] == dtype and c[1][2] == "r"}):
-        for epi, fold in ((exact, False), (plain, True)):
-            if fold and not (bias or residuals):
+        for epi, fold in ((exact, False), (with_bias, True), (plain, True)):
+            if fold and not (bias or residuals) or epi is with_bias and not (bias and residuals):
                 continue
             if (dtype, layout, epi.activation, epi.bias, epi.residuals) not in caps:
                 continue
@@ -293,9 +297,11 @@ def _gemm_run(a, b, bias, residuals, activation, clamp_low, clamp_high, registry
     clamp = (clamp_low, clamp_high) if activation == "clamp" else NO_CLAMP
     kernel_activation = route.epilogue.activation
     kernel_clamp = clamp if kernel_activation == "clamp" else NO_CLAMP
-    if route.fold:  # D = act(A @ B + 1 * C) with C = bias + residuals, written into D first (C may alias D)
-        _fill_with_sum(out, bias, residuals)
-        reg.gemm(a, b, out, c=out, beta=1.0, activation=kernel_activation, clamp=kernel_clamp)
+    if route.fold:  # D = act(A @ B + 1 * C [+ bias]) with C = what the kernel lacks, written into D first (C may
+        # alias D)
+        fused_bias = bias if route.epilogue.bias else None
+        _fill_with_sum(out, None if route.epilogue.bias else bias, residuals)
+        reg.gemm(a, b, out, c=out, beta=1.0, bias=fused_bias, activation=kernel_activation, clamp=kernel_clamp)
     else:
         reg.gemm(a, b, out, bias=bias, residuals=residuals, activation=kernel_activation, clamp=kernel_clamp)
         if not (route.copy_a or route.copy_b or route.activation_after):
@@ -937,9 +943,10 @@ def _pointwise_gemm(reg, handle: int, x, w, bias, residuals, activation: str, cl
         a = _to_major(a, route.copy_a)
     if route.copy_b:
         b = _to_major(b, route.copy_b)
-    if route.fold:  # out = act(A @ B + 1 * C) with C = bias + residuals, written into out first
-        _fill_with_sum(out, bias, res)
-        reg.gemm(a, b, out, c=out, beta=1.0, activation=activation, clamp=clamp)
+    if route.fold:  # out = act(A @ B + 1 * C [+ bias]) with C = what the kernel lacks, written into out first
+        _fill_with_sum(out, None if route.epilogue.bias else bias, res)
+        reg.gemm(a, b, out, c=out, beta=1.0, bias=bias if route.epilogue.bias else None, activation=activation,
+                 clamp=clamp)
     else:
         reg.gemm(a, b, out, bias=bias, residuals=res, activation=activation, clamp=clamp)
         if in_place and not (route.copy_a or route.copy_b or padded):

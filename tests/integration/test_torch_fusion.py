@@ -162,6 +162,32 @@ def test_gemm_route_falls_back_to_beta_c_where_the_bias_kernel_cannot_run(reg, m
         assert rel_err(out, F.linear(x.double(), w.double(), b.double()).relu()) < TOL
 
 
+@pytest.mark.parametrize("activation", ["relu", "silu"])
+def test_gemm_route_takes_a_residual_through_beta_c_on_the_activation_and_bias_kernel(reg, monkeypatch, activation):
+    """act(x @ w^T + b + r) where the bundle has act + bias kernels but none with a residual nor act alone: the act +
+    bias kernel with the residual as C (beta 1), forward and backward against float64 torch."""
+    calls = []
+    original = Registry.gemm
+
+    def spy(self, a, b, out=None, **kw):
+        calls.append((kw.get("bias") is not None, kw.get("beta"), kw.get("c") is out, kw.get("activation")))
+        return original(self, a, b, out, **kw)
+
+    monkeypatch.setattr(Registry, "gemm", spy)
+    x, w, b, r = leaf(rand(3, 7, 16, seed=11)), leaf(rand(24, 16, seed=12)), leaf(rand(24, seed=13)), \
+        leaf(rand(3, 7, 24, seed=14))
+    out = tdt.linear(x, w, b, registry=reg, residuals=(r,), activation=activation)
+    assert calls[0] == (True, 1.0, True, activation)
+    xr, wr, br, rr = leaf(x.double()), leaf(w.double()), leaf(b.double()), leaf(r.double())
+    ref = TORCH_ACT[activation](F.linear(xr, wr, br) + rr)
+    assert rel_err(out, ref) < TOL
+    g = rand(*out.shape, seed=15)
+    out.backward(g)
+    ref.backward(g.double())
+    for name, mine, theirs in (("x", x, xr), ("w", w, wr), ("bias", b, br), ("residual", r, rr)):
+        assert rel_err(mine.grad, theirs.grad) < GRAD_TOL, name
+
+
 # -- conv epilogues: the fallback (no fused conv kernels in this bundle) -------------------------------------------
 TORCH_ACT = {"identity": lambda v: v, "relu": torch.relu, "clamp": lambda v: v.clamp(-0.3, 0.4),
              "sigmoid": torch.sigmoid, "tanh": torch.tanh, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh"),
@@ -237,7 +263,8 @@ def test_conv_epilogue_fake_implementation_and_operator(reg):
 def test_pointwise_conv_epilogue_runs_on_a_fused_gemm_kernel(reg, monkeypatch):
     """A 1x1 fp16 conv (a GEMM over pixels; fp32 convs stay on conv kernels, as ops/conv_as_gemm.py keeps them)
     takes its epilogue into one call of a GEMM kernel fusing it: bias + relu fused, a residual through beta * C;
-    relu after a residual has no GEMM kernel in fp16_rcr_essential: the conv path."""
+    relu after a residual (fp16_rcr_essential has no kernel fusing a residual): the relu + bias kernel with the
+    residual through beta * C."""
     calls = []
     original = Registry.gemm
 
@@ -250,7 +277,7 @@ def test_pointwise_conv_epilogue_runs_on_a_fused_gemm_kernel(reg, monkeypatch):
     x = rand(2, 12, 5, 7, seed=40, dtype=h).contiguous(memory_format=torch.channels_last)
     w, b, r = rand(16, 12, 1, 1, seed=41, dtype=h), rand(16, seed=42, dtype=h), rand(2, 16, 5, 7, seed=43, dtype=h)
     cases = (("relu", (), ("relu", True, False)), ("identity", (r,), ("identity", False, True)),
-             ("relu", (r,), None))
+             ("relu", (r,), ("relu", True, True)))
     for activation, residuals, want in cases:
         calls.clear()
         xs, ws, bs = leaf(x), leaf(w), leaf(b)
@@ -810,10 +837,11 @@ def test_fused_residual_that_broadcasts_is_added_by_torch(reg):
 
     model = make(Net).eval()
     fused, report = tdt.fuse(model, reg)
-    # the linear's relu after a residual: no kernel computes relu + residual (nor relu alone, with bias and
-    # residual through beta * C) in this bundle, so the relu stays PyTorch's
-    assert {f.name: f.epilogue for f in report.fused} == {"conv": "bias + residual, relu", "lin": "bias + residual"}
-    assert [why for _, why in report.kept] == ["the bundle has no fp32 GEMM kernel computing relu: stays PyTorch's"]
+    # the linear's relu after a residual: the relu + bias kernel with the residual through beta * C takes it (this
+    # residual broadcasts at run time, so there torch adds it and applies the relu)
+    assert {f.name: f.epilogue for f in report.fused} == {"conv": "bias + residual, relu",
+                                                           "lin": "bias + residual, relu"}
+    assert report.kept == []
     x = rand(2, 4, 5, 5, seed=27)
     with torch.no_grad():
         assert rel_err(fused(x), model(x)) < MODEL_TOL
