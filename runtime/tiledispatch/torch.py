@@ -63,7 +63,7 @@ from .errors import InvalidInputError, UnsupportedProblemError
 from .ops import conv as conv_op
 from .ops import conv_as_gemm
 from .ops.conv import ConvProblem
-from .ops.gemm import GemmProblem
+from .ops.gemm import GemmProblem, check_size
 from .plan import _torch_print, last_launcher
 from .registry import NO_CLAMP, Registry
 from .spec.key import ACTIVATIONS, Epilogue
@@ -398,6 +398,20 @@ def _out_size(in_size, filter_size, stride, dilation, pad_lo, pad_hi) -> list:
             for i, f, s, d, lo, hi in zip(in_size, filter_size, stride, dilation, pad_lo, pad_hi)]
 
 
+def _checked_fwd_shape(x_shape, w_shape, stride, dilation, pad_lo, pad_hi, itemsize: int) -> tuple:
+    """The forward output's shape, refused as the registry's problem check refuses it (ops/conv.py ConvProblem:
+    a filter wider than the padded input, more elements than an int64 byte count holds), since the output is
+    allocated before that check runs."""
+    for d, (i, f, dl, lo, hi) in enumerate(zip(x_shape[2:], w_shape[2:], dilation, pad_lo, pad_hi)):
+        if i + lo + hi - dl * (f - 1) < 1:
+            raise InvalidInputError(f"conv spatial dim {d}: padded input {i} + {lo} + {hi} is smaller than the "
+                                    f"dilated filter {dl * (f - 1) + 1}")
+    shape = (x_shape[0], w_shape[0], *_out_size(x_shape[2:], w_shape[2:], stride, dilation, pad_lo, pad_hi))
+    if all(type(v) is int for v in shape):  # symbolic sizes (a dynamic trace): checked when the call runs
+        check_size("conv y", shape, itemsize)
+    return shape
+
+
 class _Geometry:
     """A convolution's stride, dilation, padding and groups (tuples of ints, one per spatial dim), with what every
     call derives from them made once: the registry options per direction with their launch-cache key (no option
@@ -408,7 +422,7 @@ class _Geometry:
     def __init__(self, stride: tuple, dilation: tuple, pad_lo: tuple, pad_hi: tuple, groups: int):
         for name, values, least in (("stride", stride, 1), ("dilation", dilation, 1), ("pad_lo", pad_lo, 0),
                                     ("pad_hi", pad_hi, 0)):  # output shapes are computed from them before any check
-            conv_op._ints(name, values, len(values), least)  # the registry's check and message
+            conv_op._ints(name, values, len(values), least, conv_op.MAX_GEOMETRY)  # the registry's check, message
         self.stride, self.dilation, self.pad_lo, self.pad_hi, self.groups = stride, dilation, pad_lo, pad_hi, groups
         self.rank = len(stride)
         self.strided = any(s > 1 for s in stride)
@@ -423,7 +437,7 @@ class _Geometry:
         xs, ws = x.shape, w.shape
         shape = self.out_shapes.get((xs, ws))
         if shape is None:
-            shape = (xs[0], ws[0], *_out_size(xs[2:], ws[2:], self.stride, self.dilation, self.pad_lo, self.pad_hi))
+            shape = _checked_fwd_shape(xs, ws, self.stride, self.dilation, self.pad_lo, self.pad_hi, x.element_size())
             if len(self.out_shapes) >= _MEMO_SIZE:
                 self.out_shapes.clear()
             self.out_shapes[xs, ws] = shape
@@ -697,7 +711,7 @@ def _check_conv_dtypes(*tensors) -> None:
 
 
 def _conv_fwd_shape(x, w, stride, dilation, pad_lo, pad_hi):
-    return (x.shape[0], w.shape[0], *_out_size(x.shape[2:], w.shape[2:], stride, dilation, pad_lo, pad_hi))
+    return _checked_fwd_shape(x.shape, w.shape, stride, dilation, pad_lo, pad_hi, x.element_size())
 
 
 def _conv_fwd_impl(x, w, bias, residuals, activation, clamp_low, clamp_high, stride, dilation, pad_lo, pad_hi, groups,

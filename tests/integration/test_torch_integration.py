@@ -403,9 +403,17 @@ def test_conv_refusals_are_clear(reg):
     with pytest.raises(td.InvalidInputError, match="bias has shape"):
         tdt.conv(x, w, b[:-1], registry=reg, **geo)
     for bad, message in (({"stride": 0}, "stride must be >= 1"), ({"stride": (1, 0)}, "stride must be >= 1"),
-                         ({"dilation": 0}, "dilation must be >= 1"), ({"padding": -1}, "pad_lo must be >= 0")):
-        with pytest.raises(td.InvalidInputError, match=message):
-            tdt.conv(x, w, registry=reg, **{**geo, **bad})
+                         ({"dilation": 0}, "dilation must be >= 1"), ({"padding": -1}, "pad_lo must be >= 0"),
+                         ({"padding": 2**31}, "pad_lo must be <= 2147483647"),
+                         ({"padding": 10**9}, r"conv y would have 2 x 9 x 1000000004 x 2000000006 elements"),
+                         ({"dilation": 5}, "padded input 9 \\+ 0 \\+ 0 is smaller than the dilated filter 11")):
+        # the output is allocated before the registry checks the problem: refused as it refuses it, with no tensor
+        # of a negative or overflowing size asked of torch (and through the fake implementation, as traced)
+        for call in (lambda: tdt.conv(x, w, registry=reg, **{**geo, **bad}),
+                     lambda: tdt.conv(x.requires_grad_(), w, registry=reg, **{**geo, **bad})):
+            with pytest.raises(td.InvalidInputError, match=message):
+                call()
+        x = x.detach()
 
 
 # -- fake tensors and torch.compile ------------------------------------------------------------------------
