@@ -5,7 +5,8 @@ The draws cover what the hand-written tests pick one case of: every rank, group 
 filters wider than the input's padding, strides and dilations together, asymmetric padding, non-contiguous and
 channels-last inputs, fp16 / bf16, residuals and activations; linear layers with leading batch dimensions, strided
 and transposed inputs, sizes that fill no tile; models of conv / batch norm / activation / residual / squeeze-
-excitation / permuted-linear blocks, fused in eval and in training mode. A failure prints the problem it drew.
+excitation / permuted-linear blocks, fused in eval and in training mode; sequences of calls on tensors changed
+between the calls (the launch caches must follow them). A failure prints the problem it drew.
 """
 from __future__ import annotations
 
@@ -246,3 +247,64 @@ def test_random_models_fused_match_torch(reg, seed):
                     compared += 1
             assert compared > 0, case
     assert fused_layers > 0  # the draws hold chains fuse() takes (a model in training mode may hold none)
+
+
+# -- call sequences: what the launch caches remember must follow the tensors --------------------------------------
+@pytest.mark.parametrize("seed", range(2))
+def test_random_call_sequences_follow_mutated_reallocated_and_viewed_tensors(reg, monkeypatch, seed):
+    """Calls repeated on a pool of tensors that are changed between them (in place, re-allocated, copied into a
+    view of another buffer, made channels-last, requires_grad switched), with the space-to-depth route on so that
+    stems run on mapped copies (their filter copy cached per weight version): every output against float64 torch.
+    The remembered launches, the fast path's fingerprints and the derived weight copies all key on these tensors."""
+    monkeypatch.setattr(tdt, "_SPACE_TO_DEPTH", "on")
+    tdt._S2D_ROUTES.clear()
+    rng = random.Random(300 + seed)
+    torch.manual_seed(300 + seed)
+    pool = {"x": torch.randn(2, 8, 7, 7), "w": torch.randn(6, 8, 3, 3), "b": torch.randn(6),
+            "stem_x": torch.randn(2, 3, 16, 16), "stem_w": torch.randn(6, 3, 7, 7), "patch_w": torch.randn(6, 3, 4, 4),
+            "lin_x": torch.randn(5, 16), "lin_w": torch.randn(12, 16), "lin_b": torch.randn(12)}
+    calls = {"conv": ("x", "w", 1, 1), "stem": ("stem_x", "stem_w", 2, 3), "patchify": ("stem_x", "patch_w", 4, 0)}
+    for step in range(150):
+        action = rng.choice(["conv", "stem", "patchify", "linear", "linear", "mutate", "reallocate", "memory", "view",
+                             "grad"])
+        if action == "mutate":
+            with torch.no_grad():
+                pool[rng.choice(list(pool))].mul_(rng.choice([0.5, -1.0, 2.0])).add_(0.1)
+        elif action == "reallocate":
+            name = rng.choice(list(pool))
+            old = pool.pop(name)
+            shape, grad = old.shape, old.requires_grad
+            del old  # its memory may come back for the new tensor
+            pool[name] = torch.randn(shape).requires_grad_(grad)
+        elif action == "memory":
+            name = rng.choice(["x", "w", "stem_x", "stem_w", "patch_w"])
+            fmt = rng.choice([torch.channels_last, torch.contiguous_format])
+            pool[name] = pool[name].detach().contiguous(memory_format=fmt).requires_grad_(pool[name].requires_grad)
+        elif action == "view":  # the same values in a view of a larger buffer: other pointer, other strides
+            name = rng.choice(["x", "stem_x", "lin_x"])
+            t = pool[name]
+            big = torch.randn(t.shape[0] + 1, *t.shape[1:])
+            pool[name] = (big[1:] if rng.random() < 0.5 else big[:-1]).copy_(t.detach()).requires_grad_(t.requires_grad)
+        elif action == "grad":
+            name = rng.choice(list(pool))
+            pool[name] = pool[name].detach().requires_grad_(not pool[name].requires_grad)
+        elif action == "linear":
+            bias = pool["lin_b"] if rng.random() < 0.6 else None
+            activation = rng.choice(["identity", "relu"]) if bias is not None else "identity"
+            out = tdt.linear(pool["lin_x"], pool["lin_w"], bias, registry=reg, activation=activation)
+            ref = ACTIVATIONS[activation](F.linear(pool["lin_x"].double(), pool["lin_w"].double(),
+                                                   None if bias is None else bias.double()))
+            assert rel_err(out, ref) < TOL[torch.float32], (step, action)
+        else:
+            xn, wn, stride, padding = calls[action]
+            bias = pool["b"] if rng.random() < 0.5 else None
+            activation = rng.choice(["identity", "relu"])
+            with torch.no_grad() if rng.random() < 0.3 else torch.enable_grad():
+                out = tdt.conv(pool[xn], pool[wn], bias, registry=reg, stride=stride, padding=padding,
+                               activation=activation)
+            ref = ACTIVATIONS[activation](F.conv2d(pool[xn].double(), pool[wn].double(),
+                                                   None if bias is None else bias.double(), stride=stride,
+                                                   padding=padding))
+            assert rel_err(out, ref) < TOL[torch.float32], (step, action)
+            if out.requires_grad:
+                out.sum().backward()
