@@ -1406,8 +1406,8 @@ def _product(a, b, handle: int) -> torch.Tensor:
 # inside backward: create_graph=True); the marking's wrapper costs host time on every call.
 def _record(function, forward, backward, backward_once, name: str, spec, *inputs) -> torch.Tensor:
     """function.apply(spec, *inputs), or the same call recorded by the C++ node, which costs less host time."""
-    if _NATIVE_RECORD is _UNRESOLVED:
-        _resolve_native()
+    if _NATIVE_RECORD is _UNRESOLVED and not _compiling():  # traced: the native module is not used there, and
+        _resolve_native()  # building or loading it takes a lock, which torch.compile cannot trace
     if (_NATIVE_RECORD is not None and _CAN_CALL_DIRECTLY and not _compiling() and _functorch_level() is None
             and _tracing_state() is None):
         return _NATIVE_RECORD(forward, backward, backward_once, spec, name, *inputs)
@@ -1683,7 +1683,7 @@ def _resolve_native() -> None:
 
 def _fast_key(a, b, bias, residuals: tuple, options: tuple):
     """(key, the pointers of (a, b, bias, *residuals)) of a call that may take the fast path, else (None, None)."""
-    if _NATIVE_PRINTS is _UNRESOLVED:
+    if _NATIVE_PRINTS is _UNRESOLVED and not _compiling():  # as _record's
         _resolve_native()
     if _NATIVE_PRINTS is not None and _CAN_CALL_DIRECTLY and not _compiling() and _functorch_level() is None:
         found = _NATIVE_PRINTS(a, b, bias, *residuals)
@@ -1745,8 +1745,11 @@ def _requires_grad(*tensors) -> bool:
 
 def _run_remembering(handle: int, first: torch.Tensor, key, grad: bool, residuals: int, run, *args) -> torch.Tensor:
     """run(*args), remembered under key (None: not remembered) when it launched one kernel on the caller's tensors
-    as given (grad: the entry serves only calls that record no gradient)."""
-    _DIRECT.launch = None
+    as given (grad: the entry serves only calls that record no gradient). Without a key (a traced call: a backward
+    pass that torch.compile traces inside an autograd.Function, which may not change state outside it) the
+    thread's _DIRECT is left alone: only a call that remembers reads it, after setting it itself."""
+    if key is not None:
+        _DIRECT.launch = None
     out = run(*args)
     if key is not None:
         _remember(handle, first, key, out, grad, residuals)

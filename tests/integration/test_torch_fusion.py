@@ -10,6 +10,9 @@ backend's rules allow it and are skipped (with the rule's message) when they do 
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -20,7 +23,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import tiledispatch as td  # noqa: E402
 import tiledispatch.torch as tdt  # noqa: E402
-from conftest import build_cpu_bundle  # noqa: E402
+from conftest import REPO, build_cpu_bundle  # noqa: E402
 from tiledispatch import abi  # noqa: E402
 from tiledispatch.errors import SpecError  # noqa: E402
 from tiledispatch.registry import Kernel, Registry  # noqa: E402
@@ -845,6 +848,41 @@ def test_fused_residual_that_broadcasts_is_added_by_torch(reg):
     x = rand(2, 4, 5, 5, seed=27)
     with torch.no_grad():
         assert rel_err(fused(x), model(x)) < MODEL_TOL
+
+
+def test_compile_fullgraph_as_a_process_first_call(reg, tmp_path):
+    """torch.compile(fullgraph=True) of a fused model whose parameters require grad, as the first tiledispatch call
+    of a fresh process, in eval and in training mode: the native module is not resolved yet, and tracing must not
+    try to (resolving it takes a lock, which Dynamo refuses to trace: 'Unsupported context manager'), nor may the
+    traced backward pass reset the thread's launch record (a side effect outside the autograd.Function). Earlier
+    calls in this process resolved the module and set the record, so this runs in a new one."""
+    bundle = reg.kernels[0].path.parents[1]
+    script = tmp_path / "first_call.py"
+    script.write_text(f"""
+import torch
+from torch import nn
+import tiledispatch as td
+import tiledispatch.torch as tdt
+reg = td.load({str(bundle)!r})
+model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 7, 5)).eval()
+fused, report = tdt.fuse(model, reg)
+assert report.fused
+x = torch.randn(2, 3, 6, 7)
+out = torch.compile(fused, fullgraph=True, backend="aot_eager")(x)
+ref = model(x)
+assert ((out - ref).norm() / ref.norm()).item() < 1e-5
+# training: the backward pass is traced too (inside the autograd.Function it may change no state outside it)
+model.train()
+fused, report = tdt.fuse(model, reg)
+xs, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+torch.compile(fused, fullgraph=True, backend="aot_eager")(xs).square().sum().backward()
+model(xr).square().sum().backward()
+assert ((xs.grad - xr.grad).norm() / xr.grad.norm()).item() < 1e-5
+print("ok")
+""")
+    env = {**os.environ, "PYTHONPATH": str(REPO / "runtime")}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("mode", ["eval", "train"])
