@@ -297,8 +297,7 @@ def _gemm_run(a, b, bias, residuals, activation, clamp_low, clamp_high, registry
     clamp = (clamp_low, clamp_high) if activation == "clamp" else NO_CLAMP
     kernel_activation = route.epilogue.activation
     kernel_clamp = clamp if kernel_activation == "clamp" else NO_CLAMP
-    if route.fold:  # D = act(A @ B + 1 * C [+ bias]) with C = what the kernel lacks, written into D first (C may
-        # alias D)
+    if route.fold:  # D = act(A @ B + 1 * C [+ bias]), C = what the kernel lacks, written into D first (C aliases D)
         fused_bias = bias if route.epilogue.bias else None
         _fill_with_sum(out, None if route.epilogue.bias else bias, residuals)
         reg.gemm(a, b, out, c=out, beta=1.0, bias=fused_bias, activation=kernel_activation, clamp=kernel_clamp)
