@@ -297,15 +297,21 @@ def _gemm_run(a, b, bias, residuals, activation, clamp_low, clamp_high, registry
     clamp = (clamp_low, clamp_high) if activation == "clamp" else NO_CLAMP
     kernel_activation = route.epilogue.activation
     kernel_clamp = clamp if kernel_activation == "clamp" else NO_CLAMP
-    if route.fold:  # D = act(A @ B + 1 * C [+ bias]), C = what the kernel lacks, written into D first (C aliases D)
-        fused_bias = bias if route.epilogue.bias else None
-        _fill_with_sum(out, None if route.epilogue.bias else bias, residuals)
-        reg.gemm(a, b, out, c=out, beta=1.0, bias=fused_bias, activation=kernel_activation, clamp=kernel_clamp)
-    else:
-        reg.gemm(a, b, out, bias=bias, residuals=residuals, activation=kernel_activation, clamp=kernel_clamp)
-        if not (route.copy_a or route.copy_b or route.activation_after):
-            _mark_direct(_gemm_pointers)
+    _launch_route(reg, route, a, b, out, bias, residuals, kernel_activation, kernel_clamp)
+    if not (route.fold or route.copy_a or route.copy_b or route.activation_after):
+        _mark_direct(_gemm_pointers)
     return _activate_(out, activation, clamp) if route.activation_after else out
+
+
+def _launch_route(reg, route: _GemmRoute, a, b, out, bias, residuals, activation: str, clamp: tuple) -> None:
+    """out = act(a @ b + bias + sum(residuals)) on the route's kernel: what its epilogue lacks goes in through
+    beta * C, written into out first (C aliases out)."""
+    if route.fold:
+        _fill_with_sum(out, None if route.epilogue.bias else bias, residuals)
+        reg.gemm(a, b, out, c=out, beta=1.0, bias=bias if route.epilogue.bias else None, activation=activation,
+                 clamp=clamp)
+    else:
+        reg.gemm(a, b, out, bias=bias, residuals=residuals, activation=activation, clamp=clamp)
 
 
 def _fill_with_sum(out: torch.Tensor, bias: Optional[torch.Tensor], residuals: Sequence[torch.Tensor]) -> None:
@@ -401,10 +407,7 @@ def _checked_fwd_shape(x_shape, w_shape, stride, dilation, pad_lo, pad_hi, items
     """The forward output's shape, refused as the registry's problem check refuses it (ops/conv.py ConvProblem:
     a filter wider than the padded input, more elements than an int64 byte count holds), since the output is
     allocated before that check runs."""
-    for d, (i, f, dl, lo, hi) in enumerate(zip(x_shape[2:], w_shape[2:], dilation, pad_lo, pad_hi)):
-        if i + lo + hi - dl * (f - 1) < 1:
-            raise InvalidInputError(f"conv spatial dim {d}: padded input {i} + {lo} + {hi} is smaller than the "
-                                    f"dilated filter {dl * (f - 1) + 1}")
+    conv_op.check_spans(x_shape[2:], w_shape[2:], dilation, pad_lo, pad_hi)
     shape = (x_shape[0], w_shape[0], *_out_size(x_shape[2:], w_shape[2:], stride, dilation, pad_lo, pad_hi))
     if all(type(v) is int for v in shape):  # symbolic sizes (a dynamic trace): checked when the call runs
         check_size("conv y", shape, itemsize)
@@ -956,14 +959,9 @@ def _pointwise_gemm(reg, handle: int, x, w, bias, residuals, activation: str, cl
         a = _to_major(a, route.copy_a)
     if route.copy_b:
         b = _to_major(b, route.copy_b)
-    if route.fold:  # out = act(A @ B + 1 * C [+ bias]) with C = what the kernel lacks, written into out first
-        _fill_with_sum(out, None if route.epilogue.bias else bias, res)
-        reg.gemm(a, b, out, c=out, beta=1.0, bias=bias if route.epilogue.bias else None, activation=activation,
-                 clamp=clamp)
-    else:
-        reg.gemm(a, b, out, bias=bias, residuals=res, activation=activation, clamp=clamp)
-        if in_place and not (route.copy_a or route.copy_b or padded):
-            _mark_direct(_gemm_pointers)
+    _launch_route(reg, route, a, b, out, bias, res, activation, clamp)
+    if in_place and not (route.fold or route.copy_a or route.copy_b or padded):
+        _mark_direct(_gemm_pointers)
     if padded:
         result.copy_(out[:, :k])
     return y

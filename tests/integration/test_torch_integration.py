@@ -408,12 +408,13 @@ def test_conv_refusals_are_clear(reg):
                          ({"padding": 10**9}, r"conv y would have 2 x 9 x 1000000004 x 2000000006 elements"),
                          ({"dilation": 5}, "padded input 9 \\+ 0 \\+ 0 is smaller than the dilated filter 11")):
         # the output is allocated before the registry checks the problem: refused as it refuses it, with no tensor
-        # of a negative or overflowing size asked of torch (and through the fake implementation, as traced)
-        for call in (lambda: tdt.conv(x, w, registry=reg, **{**geo, **bad}),
-                     lambda: tdt.conv(x.requires_grad_(), w, registry=reg, **{**geo, **bad})):
+        # of a negative or overflowing size asked of torch, on the no-grad and the autograd path
+        for operand in (x, x.detach().requires_grad_()):
             with pytest.raises(td.InvalidInputError, match=message):
-                call()
-        x = x.detach()
+                tdt.conv(operand, w, registry=reg, **{**geo, **bad})
+    # the operator's fake implementation (what torch.compile traces) computes the shape with the same check
+    with pytest.raises(td.InvalidInputError, match="smaller than the dilated filter 11"):
+        tdt._conv_fwd_shape(x, w, geo["stride"], (5, 5), (0, 0), (0, 0))
 
 
 # -- fake tensors and torch.compile ------------------------------------------------------------------------

@@ -22,14 +22,12 @@ import torch.nn.functional as F  # noqa: E402
 
 import tiledispatch.torch as tdt  # noqa: E402
 from conftest import build_cpu_bundle  # noqa: E402
-from test_torch_fusion import FUSED_CONV_SET  # noqa: E402
+from test_torch_fusion import FUSED_CONV_SET, TORCH_ACT as ACTIVATIONS, rel_err  # noqa: E402
 from test_torch_integration import TORCH_SET  # noqa: E402
 
 # float32 kernels: the validation tolerance; fp16 / bf16: their rounding over reductions of up to ~100 terms
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 GRAD_TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
-ACTIVATIONS = {"identity": lambda t: t, "relu": F.relu, "silu": F.silu, "hardswish": F.hardswish,
-               "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "sigmoid": torch.sigmoid, "tanh": torch.tanh}
 # the linear epilogues the bundle below computes, per dtype (fp32: TORCH_SET; fp16: fp16_rcr_essential's cpu
 # kernels); tdt.linear refuses an activation no kernel computes (test_torch_integration checks that refusal)
 LINEAR_EPILOGUES = {
@@ -46,12 +44,6 @@ def reg(tmp_path_factory):
     groups = FUSED_CONV_SET.split("groups:\n", 1)[1]
     return build_cpu_bundle(tmp_path_factory.mktemp("random_build"), "torch_test", TORCH_SET + groups,
                             "fp16_rcr_essential")
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all(), "the output holds NaN or inf"
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def draw_conv(rng: random.Random) -> dict:

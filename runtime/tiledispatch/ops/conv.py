@@ -52,6 +52,14 @@ def _is_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
+def check_spans(in_size, filter_size, dilation, pad_lo, pad_hi) -> None:
+    """Every padded input dim at least as wide as the dilated filter (an output of at least one element)."""
+    for d, (i, f, dl, lo, hi) in enumerate(zip(in_size, filter_size, dilation, pad_lo, pad_hi)):
+        if i + lo + hi - dl * (f - 1) < 1:
+            raise InvalidInputError(f"conv spatial dim {d}: padded input {i} + {lo} + {hi} is smaller than the "
+                                    f"dilated filter {dl * (f - 1) + 1}")
+
+
 def _ints(name: str, value, rank: int, low: int, high: Optional[int] = None) -> tuple[int, ...]:
     """An int (every dim) or rank ints, each in [low, high]."""
     if _is_int(value):
@@ -120,12 +128,7 @@ class ConvProblem:
             raise InvalidInputError(f"conv layout must be one of {', '.join(CONV_LAYOUTS)}, got {self.layout!r}")
         if not isinstance(self.epilogue, Epilogue):
             raise InvalidInputError(f"conv epilogue must be an Epilogue, got {self.epilogue!r}")
-        for d in range(rank):
-            span = self.in_size[d] + self.pad_lo[d] + self.pad_hi[d] - self.dilation[d] * (self.filter_size[d] - 1)
-            if span < 1:
-                raise InvalidInputError(
-                    f"conv spatial dim {d}: padded input {self.in_size[d]} + {self.pad_lo[d]} + {self.pad_hi[d]} is "
-                    f"smaller than the dilated filter {self.dilation[d] * (self.filter_size[d] - 1) + 1}")
+        check_spans(self.in_size, self.filter_size, self.dilation, self.pad_lo, self.pad_hi)
         for role, shape in self.shapes().items():
             check_size(f"conv {role}", shape, DTYPES[getattr(self, f"dtype_{role}")].itemsize)
 
