@@ -199,12 +199,16 @@ def _choose_route(handle, dtype, activation, bias, residuals, letters_a, letters
     (batch, m, n, k): a route is taken only where one of its kernels can run that problem (a kernel fusing an
     epilogue may refuse, e.g., an unaligned n that a plain kernel runs); where the bundle's kernels computing the
     activation all refuse it, the identity epilogue's route with torch's activation after the kernel; None, or no
-    route running it: where its kernels exist (the registry's call then says why none runs the problem). A bundle
-    with no kernel computing the activation is refused, whatever the shape."""
+    route running it: where its kernels exist (the registry's call then says why none runs the problem). Where the
+    kernels computing the activation all take a bias the call lacks, the same identity route with torch's
+    activation. A bundle with no kernel computing the activation is refused, whatever the shape; so is a call
+    without a shape there (fuse() asks so whether an activation fuses into a kernel)."""
     route = _cheapest_route(handle, dtype, activation, bias, residuals, letters_a, letters_b, shape)
     if route is None and shape is not None:
         route = _cheapest_route(handle, dtype, activation, bias, residuals, letters_a, letters_b, None)
-        plain = None if route is None or activation == "identity" else \
+        computed = route is not None or any(c[0] == dtype and c[1][2] == "r" and c[2] == activation
+                                            for c in _CAPS[handle].gemm)
+        plain = None if not computed or activation == "identity" else \
             _cheapest_route(handle, dtype, "identity", bias, residuals, letters_a, letters_b, shape)
         if plain is not None:
             route = replace(plain, activation_after=True)
@@ -271,6 +275,56 @@ def _gemm_out_dtype(a: torch.Tensor) -> torch.dtype:
     return torch.int32 if a.dtype == torch.int8 else a.dtype
 
 
+# -- empty problems ------------------------------------------------------------------------------------------
+# Frameworks pass empty tensors (a batch of none, a dynamic batch that came out empty). torch answers them without
+# a kernel, and so do the operators: an empty output is allocated as it would be; where only the reduction is empty
+# (K = 0 of a GEMM; a conv's dW over a batch of none), the result is the epilogue on a zero accumulator:
+# act(bias + sum(residuals)), zeros for a gradient. No kernel runs, so nothing is remembered for the fast path.
+# The other operands are checked as a call that runs a kernel checks them. A conv's empty channels or spatial dims
+# stay refused (torch refuses them too, or answers C = 0 with an output of no channels).
+def _empty_gemm(a, b, bias, residuals, activation: str, clamp: tuple) -> torch.Tensor:
+    """The result of a GEMM with M, N, K or the batch 0."""
+    out = a.new_zeros(_gemm_shape(a, b), dtype=_gemm_out_dtype(a))
+    _check_sum_operands(out, bias, residuals)
+    if not out.numel():
+        return out
+    if bias is not None or residuals:
+        _fill_with_sum(out, bias, residuals)
+    return _activate_(out, activation, clamp)
+
+
+def _checked_empty_batch(direction: str, x_shape, w_shape, like: torch.Tensor, geo: _Geometry, dy=None) -> None:
+    """A conv problem of batch 0 checked as the registry checks it with a batch of one (channels, groups, spans,
+    the dtype of like); x_shape is X's [N, C, spatial...] (dX's for bwd_data), w_shape W's [K, C/G, filter...], dy
+    the output's gradient where the direction takes one."""
+    if len(x_shape) != len(w_shape) or len(x_shape) - 2 != geo.rank:
+        raise InvalidInputError(f"conv {direction}: shapes {list(x_shape)} and {list(w_shape)} do not match a "
+                                f"{geo.rank}D convolution")
+    if x_shape[1] != w_shape[1] * geo.groups:
+        raise InvalidInputError(f"conv {direction}: x has {x_shape[1]} channels, the weight {list(w_shape)} takes "
+                                f"{w_shape[1]} x {geo.groups} groups")
+    dtype = _dtype_name(like, f"conv {direction}")
+    ConvProblem(direction, 1, geo.groups, x_shape[1], w_shape[0], tuple(x_shape[2:]), tuple(w_shape[2:]), geo.stride,
+                geo.dilation, geo.pad_lo, geo.pad_hi, dtype, dtype, dtype)
+    if dy is not None:
+        y_shape = _checked_fwd_shape(x_shape, w_shape, geo.stride, geo.dilation, geo.pad_lo, geo.pad_hi, 1)
+        if tuple(dy.shape) != y_shape:
+            raise InvalidInputError(f"conv {direction}: dy has shape {list(dy.shape)}, expected {list(y_shape)}")
+
+
+def _empty_conv_fwd(x, w, bias, residuals, geo: _Geometry) -> torch.Tensor:
+    """The forward conv of a batch of none: an empty output (its operands' dtypes checked by the caller)."""
+    _checked_empty_batch("fwd", x.shape, w.shape, x, geo)
+    shape = geo.fwd_shape(x, w)
+    if bias is not None and bias.shape != (w.shape[0],):
+        raise InvalidInputError(f"conv bias has shape {list(bias.shape)}, expected [{w.shape[0]}]")
+    for i, r in enumerate(residuals):
+        if r.shape != shape:
+            raise InvalidInputError(f"conv residual {i} has shape {list(r.shape)}, expected {list(shape)} (the "
+                                    f"output's)")
+    return _new_channels_last(shape, x)
+
+
 def _gemm_impl(a, b, bias, residuals, activation, clamp_low, clamp_high, registry):
     residuals = tuple(residuals)
     grad = _requires_grad(a, b, bias, *residuals)
@@ -285,7 +339,10 @@ def _gemm_run(a, b, bias, residuals, activation, clamp_low, clamp_high, registry
     rank = a.dim()
     if rank != b.dim() or not 2 <= rank <= 3:
         _gemm_shape(a, b)
-    route = _gemm_route(registry, a, b, activation, bias is not None, len(residuals))
+    route = _gemm_route(registry, a, b, activation, bias is not None, len(residuals))  # (refusals as for any shape)
+    if not (a.numel() and b.numel()):
+        return _empty_gemm(a, b, bias, residuals, activation, (clamp_low, clamp_high) if activation == "clamp"
+                           else NO_CLAMP)
     reg = _registry_for(registry, a) if a.is_cuda else _REGISTRIES[registry]
     sa = a.shape
     shape = (sa[0], b.shape[-1]) if rank == 2 else (sa[0], sa[1], b.shape[-1])
@@ -315,16 +372,8 @@ def _launch_route(reg, route: _GemmRoute, a, b, out, bias, residuals, activation
 
 
 def _fill_with_sum(out: torch.Tensor, bias: Optional[torch.Tensor], residuals: Sequence[torch.Tensor]) -> None:
-    """out = bias + sum(residuals), with the checks the fused kernels' operands get (no broadcasting but the
-    bias's over rows)."""
-    for role, t, shape in (("bias", bias, out.shape[-1:]), *((f"residual {i}", r, out.shape)
-                                                              for i, r in enumerate(residuals))):
-        if t is None:
-            continue
-        if t.dtype != out.dtype:
-            raise InvalidInputError(f"{role} has dtype {t.dtype}, expected {out.dtype} (the output dtype)")
-        if t.shape != shape:
-            raise InvalidInputError(f"{role} has shape {list(t.shape)}, expected {list(shape)}")
+    """out = bias + sum(residuals), with the checks the fused kernels' operands get."""
+    _check_sum_operands(out, bias, residuals)
     if bias is not None:
         out.copy_(bias)  # broadcast over the rows
         for r in residuals:
@@ -333,6 +382,19 @@ def _fill_with_sum(out: torch.Tensor, bias: Optional[torch.Tensor], residuals: S
         out.copy_(residuals[0])
         for r in residuals[1:]:
             out.add_(r)
+
+
+def _check_sum_operands(out: torch.Tensor, bias: Optional[torch.Tensor], residuals: Sequence[torch.Tensor]) -> None:
+    """The fused kernels' checks of a GEMM's bias and residuals: out's dtype, no broadcasting but the bias's over
+    rows."""
+    for role, t, shape in (("bias", bias, out.shape[-1:]), *((f"residual {i}", r, out.shape)
+                                                              for i, r in enumerate(residuals))):
+        if t is None:
+            continue
+        if t.dtype != out.dtype:
+            raise InvalidInputError(f"{role} has dtype {t.dtype}, expected {out.dtype} (the output dtype)")
+        if t.shape != shape:
+            raise InvalidInputError(f"{role} has shape {list(t.shape)}, expected {list(shape)}")
 
 
 def _gemm_fake(a, b, bias, residuals, activation, clamp_low, clamp_high, registry):
@@ -547,7 +609,7 @@ def _fwd_operands(handle: int, x: torch.Tensor, w: torch.Tensor, geo: _Geometry,
     (_space_to_depth) or zero-padded in its channels (_channel_padding) where that runs faster, else as given.
     Those copies are made from x as it is (one copy, not a channels-last one first); what is derived from w alone
     is cached (_derived)."""
-    if geo.groups == 1 and x.shape[1] % _vector_channels(x):
+    if geo.groups == 1 and x.shape[1] % _vector_channels(x) and x.shape[0]:  # (a batch of none: _empty_conv_fwd)
         s2d = _space_to_depth(handle, "fwd", x, w.shape[0], tuple(w.shape[2:]), geo, epilogue)
         if s2d is not None:
             return _to_depth(x, s2d), _derived(w, ("depth", s2d), lambda: _filter_to_depth(w, s2d)), s2d.geo
@@ -732,6 +794,8 @@ def _conv_fwd_run(x, w, geo: _Geometry, handle: int):
     calls enter directly (with an epilogue: _conv_fwd_epilogue_run)."""
     if w.dtype != x.dtype:
         _check_conv_dtypes(("x", x), ("w", w))
+    if not x.shape[0]:
+        return _empty_conv_fwd(x, w, None, (), geo)
     reg = _registry_for(handle, x)
     xc, wc, geo = _fwd_operands(handle, x, w, geo, _PLAIN_EPILOGUE)
     if _mapped(x, w, xc, wc):
@@ -776,6 +840,8 @@ def _conv_fwd_epilogue_run(x, w, bias, residuals, activation: str, clamp: tuple,
             raise InvalidInputError(f"conv: {role} has dtype {t.dtype}, x has {dtype}")
     if activation not in ACTIVATIONS:
         raise InvalidInputError(f"unknown activation {activation!r} (known: {', '.join(ACTIVATIONS)})")
+    if not x.shape[0]:
+        return _empty_conv_fwd(x, w, bias, residuals, geo)
     xc, wc, geo = _fwd_operands(handle, x, w, geo, Epilogue(activation, bias is not None, len(residuals)))
     if _mapped(x, w, xc, wc):
         return _on_copies(handle, xc, wc, bias, residuals, activation, clamp, geo)
@@ -981,6 +1047,10 @@ def _conv_bwd_data_impl(dy, w, in_size, stride, dilation, pad_lo, pad_hi, groups
 def _conv_bwd_data_run(dy, w, in_size, geo: _Geometry, handle: int):
     if w.dtype != dy.dtype:
         _check_conv_dtypes(("dy", dy), ("w", w))
+    if not dy.shape[0]:  # a batch of none: an empty dX
+        dx_shape = (0, w.shape[1] * geo.groups, *in_size)
+        _checked_empty_batch("bwd_data", dx_shape, w.shape, dy, geo, dy)
+        return _new_channels_last(dx_shape, dy)
     reg = _registry_for(handle, dy)
     given_dy, given_w = dy, w
     dy, w = _channels_last(dy), _channels_last(w)
@@ -1210,6 +1280,10 @@ def _conv_bwd_weight_impl(x, dy, filter_size, stride, dilation, pad_lo, pad_hi, 
 def _conv_bwd_weight_run(x, dy, filter_size, geo: _Geometry, handle: int):
     if dy.dtype != x.dtype:
         _check_conv_dtypes(("x", x), ("dy", dy))
+    if not x.shape[0]:  # a batch of none: dW sums over nothing
+        w_shape = (dy.shape[1], x.shape[1] // geo.groups, *filter_size)
+        _checked_empty_batch("bwd_weight", x.shape, w_shape, x, geo, dy)
+        return _new_channels_last(w_shape, x).zero_()
     reg = _registry_for(handle, x)
     given_x, given_dy = x, dy
     x, dy = _channels_last(x), _channels_last(dy)
@@ -1228,6 +1302,8 @@ def _bwd_weight_operands(handle: int, x: torch.Tensor, dy: torch.Tensor, filter_
     same): a dense conv with few channels on a space-to-depth copy of x (_space_to_depth) or on x zero-padded in
     its channels (_channel_padding) where that runs faster, else as given."""
     filter_size, channels = tuple(filter_size), x.shape[1]
+    if not x.shape[0]:  # a batch of none: no copy (_conv_bwd_weight_run answers it)
+        return x, filter_size, geo, None
     s2d = _space_to_depth(handle, "bwd_weight", x, dy.shape[1], filter_size, geo, _PLAIN_EPILOGUE)
     if s2d is not None:
         return _to_depth(x, s2d), s2d.taps, s2d.geo, lambda dw: _filter_from_depth(dw, s2d, channels, filter_size)

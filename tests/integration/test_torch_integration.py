@@ -313,6 +313,90 @@ def test_gemm_refusals_are_clear(reg):
         tdt.linear(x, w, rand(5), registry=reg, residuals=(rand(8, 4),))
 
 
+
+def test_an_activation_whose_kernels_all_take_a_bias_runs_after_a_plain_kernel(reg):
+    """The bundle computes sigmoid only with a bias: a call without one runs the plain kernel and torch's sigmoid
+    (it was refused); fuse() still leaves that activation to PyTorch, since no kernel fuses it there."""
+    x, w = leaf(rand(9, 16, seed=3)), leaf(rand(5, 16, seed=4))
+    out = tdt.linear(x, w, registry=reg, activation="sigmoid")
+    x64, w64 = leaf(x.detach().double()), leaf(w.detach().double())
+    ref = torch.sigmoid(F.linear(x64, w64))
+    assert rel_err(out, ref) < TOL[torch.float32]
+    g = rand(9, 5, seed=5)
+    out.backward(g)
+    ref.backward(g.double())
+    assert rel_err(x.grad, x64.grad) < GRAD_TOL[torch.float32] and rel_err(w.grad, w64.grad) < GRAD_TOL[torch.float32]
+    model = nn.Sequential(nn.Linear(16, 5, bias=False), nn.Sigmoid())
+    fused, report = tdt.fuse(model, reg)
+    assert report.kept == [("1", "the bundle has no fp32 GEMM kernel computing sigmoid: stays PyTorch's")]
+
+
+def test_empty_problems_run_as_torch_runs_them(reg):
+    """A GEMM with M, N, K or the batch 0 and a conv over a batch of none give torch's results (K = 0: the epilogue
+    on a zero accumulator), gradients included, with no kernel; their other operands are checked as for any call."""
+    b, r = rand(5, seed=1), rand(3, 5, seed=2)
+    cases = [  # (ours, torch's)
+        (lambda: tdt.linear(rand(3, 0), rand(5, 0), b, registry=reg), lambda: b.expand(3, 5)),
+        (lambda: tdt.linear(rand(3, 0), rand(5, 0), b, residuals=(r,), activation="relu", registry=reg),
+         lambda: torch.relu(b + r)),
+        (lambda: tdt.linear(rand(3, 0), rand(5, 0), registry=reg, activation="sigmoid"), lambda: torch.full((3, 5), .5)),
+        (lambda: tdt.linear(rand(2, 0, 8), rand(5, 8), b, registry=reg), lambda: torch.empty(2, 0, 5)),
+        (lambda: tdt.linear(rand(3, 8), rand(0, 8), registry=reg), lambda: torch.empty(3, 0)),
+        (lambda: tdt.matmul(rand(0, 3, 4), rand(0, 4, 5), registry=reg), lambda: torch.empty(0, 3, 5)),
+        (lambda: tdt.conv(rand(0, 4, 5, 5), rand(6, 4, 3, 3), b.new_ones(6), padding=1, activation="relu",
+                          registry=reg), lambda: torch.empty(0, 6, 5, 5)),
+        (lambda: tdt.conv(rand(0, 3, 32, 32), rand(8, 3, 7, 7), stride=2, padding=3, registry=reg),  # a stem
+         lambda: torch.empty(0, 8, 16, 16)),
+    ]
+    for ours, theirs in cases:
+        out, ref = ours(), theirs()
+        assert out.shape == ref.shape and out.dtype == ref.dtype and torch.equal(out, ref)
+    # gradients: empty for the empty operand, zeros for the weight (a sum over no rows or images), as torch's
+    for x, w, call, torch_call in (
+            (rand(0, 8), rand(5, 8), lambda x, w, b: tdt.linear(x, w, b, registry=reg, activation="gelu_tanh"),
+             lambda x, w, b: F.gelu(F.linear(x, w, b), approximate="tanh")),
+            (rand(3, 0), rand(5, 0), lambda x, w, b: tdt.linear(x, w, b, registry=reg, activation="silu"),
+             lambda x, w, b: F.silu(F.linear(x, w, b))),
+            (rand(0, 4, 9, 9), rand(6, 2, 3, 3), lambda x, w, b: tdt.conv(x, w, b, stride=2, groups=2, registry=reg),
+             lambda x, w, b: F.conv2d(x, w, b, stride=2, groups=2)),
+            (rand(0, 3, 16, 16), rand(8, 3, 7, 7), lambda x, w, b: tdt.conv(x, w, b, stride=2, padding=3,
+                                                                            activation="relu", registry=reg),
+             lambda x, w, b: torch.relu(F.conv2d(x, w, b, stride=2, padding=3)))):
+        bias = rand(w.shape[0], seed=6)
+        ours, theirs = [leaf(t) for t in (x, w, bias)], [leaf(t.double()) for t in (x, w, bias)]
+        out, ref = call(*ours), torch_call(*theirs)
+        assert out.shape == ref.shape
+        g = rand(*out.shape, seed=7)
+        out.backward(g)
+        ref.backward(g.double())
+        for mine, torch_grad in zip(ours, theirs):
+            assert mine.grad.shape == torch_grad.grad.shape and torch.allclose(mine.grad.double(), torch_grad.grad)
+    refusals = [
+        (lambda: tdt.linear(rand(0, 8), rand(5, 8), rand(4), registry=reg), r"bias has shape \[4\], expected \[5\]"),
+        (lambda: tdt.linear(rand(0, 8), rand(5, 8), residuals=(rand(1, 5),), registry=reg),
+         r"residual 0 has shape \[1, 5\], expected \[0, 5\]"),
+        (lambda: tdt.linear(rand(0, 8), rand(5, 7), registry=reg), "do not multiply"),
+        (lambda: tdt.linear(rand(3, 0), rand(5, 0), registry=reg, activation="gelu_erf"), "no fp32 GEMM kernel"),
+        (lambda: tdt.conv(rand(0, 5, 5, 5), rand(6, 4, 3, 3), registry=reg), "x has 5 channels"),
+        (lambda: tdt.conv(rand(0, 4, 5, 5), rand(6, 4, 3, 3), rand(3), registry=reg), r"bias has shape \[3\]"),
+        (lambda: tdt.conv(rand(0, 4, 2, 2), rand(6, 4, 3, 3), registry=reg), "smaller than the dilated filter"),
+        (lambda: tdt.conv(rand(0, 4, 5, 5), rand(6, 4, 3, 3), groups=3, registry=reg), "groups"),
+        (lambda: tdt.conv(rand(2, 0, 5, 5), rand(6, 0, 3, 3), registry=reg), "C must be an integer >= 1"),
+    ]
+    for call, message in refusals:
+        with pytest.raises(td.InvalidInputError if "GEMM kernel" not in message else td.UnsupportedProblemError,
+                           match=message):
+            call()
+    for direction, call in (("bwd_data", lambda: tdt._conv_bwd_data(rand(0, 6, 4, 4), rand(6, 4, 3, 3), (5, 5), (1, 1),
+                                                                     (1, 1), (0, 0), (0, 0), 1, tdt.register(reg))),
+                            ("bwd_weight", lambda: tdt._conv_bwd_weight(rand(0, 4, 5, 5), rand(0, 6, 4, 4), (3, 3),
+                                                                        (1, 1), (1, 1), (0, 0), (0, 0), 1,
+                                                                        tdt.register(reg)))):
+        with pytest.raises(td.InvalidInputError, match=rf"conv {direction}: dy has shape \[0, 6, 4, 4\], expected "
+                                                       r"\[0, 6, 3, 3\]"):
+            call()
+
+
 # -- convolution ---------------------------------------------------------------------------------------------
 # (rank, N, C, K, groups, in size, filter, stride, dilation, pad_lo, pad_hi)
 CONVS = {
