@@ -14,6 +14,7 @@ Arrays come in one of two forms, chosen by the caller with `groups`:
 """
 from __future__ import annotations
 
+import functools
 import numbers
 import operator
 import threading
@@ -149,7 +150,7 @@ class ConvProblem:
     def spatial_dims(self) -> int:
         return len(self.in_size)
 
-    @property
+    @functools.cached_property  # read several times by every first select (a frozen dataclass: computed once)
     def out_size(self) -> tuple[int, ...]:
         return tuple((i + lo + hi - d * (f - 1) - 1) // s + 1 for i, f, s, d, lo, hi in
                      zip(self.in_size, self.filter_size, self.stride, self.dilation, self.pad_lo, self.pad_hi))
@@ -490,9 +491,12 @@ def slot_names(problem: ConvProblem, count: int) -> list[str]:
     return ["x", "w", "y", "bias", *(f"residual {i}" for i in range(count - 4))]
 
 
+_PLAIN_EPILOGUE = Epilogue()
+
+
 def fused(epilogue: Epilogue) -> bool:
     """Whether a kernel with this epilogue takes the fused forward ABI (4 + residuals tensors)."""
-    return epilogue != Epilogue()
+    return epilogue != _PLAIN_EPILOGUE
 
 
 def make_args(problem: ConvProblem, key: KernelKey, ops: Optional[Operands] = None, *, alpha: float = 1.0,
