@@ -1521,6 +1521,31 @@ def test_gpu_linear_with_gelu_runs_where_no_fused_kernel_takes_the_shape():
         assert rel_err(got.grad, want.grad) < 1e-2
 
 
+
+@pytest.mark.gpu
+def test_gpu_empty_problems_and_an_activation_without_a_bias():
+    """On CUDA tensors: a batch of none through linear and conv (a stem included) with the weight's zero gradient,
+    K = 0 as the epilogue on zeros, and a linear whose activation the fused sets compute only with a bias."""
+    reg = _gpu_registry()
+    dev, dt = "cuda", torch.float16
+    b = rand(64, dtype=dt, seed=1).to(dev)
+    assert tdt.linear(rand(0, 128, dtype=dt).to(dev), rand(64, 128, dtype=dt).to(dev), b, registry=reg).shape == (0, 64)
+    assert torch.equal(tdt.linear(rand(8, 0, dtype=dt).to(dev), rand(64, 0, dtype=dt).to(dev), b, activation="relu",
+                                  registry=reg), torch.relu(b).expand(8, 64))
+    x = leaf(tdt._channels_last(rand(0, 64, 14, 14, dtype=dt).to(dev)))
+    w = leaf(rand(128, 64, 3, 3, dtype=dt, seed=2).to(dev))
+    y = tdt.conv(x, w, registry=reg, padding=1)
+    assert y.shape == (0, 128, 14, 14)
+    y.sum().backward()
+    assert x.grad.shape == x.shape and torch.equal(w.grad, torch.zeros_like(w))
+    stem = tdt.conv(rand(0, 3, 224, 224, dtype=dt).to(dev), rand(64, 3, 7, 7, dtype=dt).to(dev), registry=reg, stride=2,
+                    padding=3)
+    assert stem.shape == (0, 64, 112, 112)
+    xl, wl = rand(256, 512, dtype=dt, seed=3).to(dev), rand(1024, 512, dtype=dt, seed=4, scale=1 / 16).to(dev)
+    for activation, fn in (("gelu_erf", F.gelu), ("silu", F.silu), ("relu", torch.relu)):
+        assert rel_err(tdt.linear(xl, wl, registry=reg, activation=activation), fn(F.linear(xl.double(), wl.double()))) \
+            < 2e-3
+
 @pytest.mark.gpu
 def test_gpu_cuda_graph_captures_and_replays_a_training_step():
     reg = _gpu_registry()
