@@ -1884,8 +1884,8 @@ def _matmul(a, b, bias, residuals: tuple, activation: str, low: float, high: flo
         if a.dim() < 1:
             raise InvalidInputError(f"matmul: a has shape {list(a.shape)}, expected [..., k]")
         lead = a.shape[:-1]
-        rows = a.reshape(-1, a.shape[-1])
-        rows_of_residuals = tuple(r.reshape(-1, r.shape[-1]) for r in residuals)
+        rows = _rows(a)
+        rows_of_residuals = tuple(map(_rows, residuals))
         if key is not None and (rows.data_ptr() != a.data_ptr() or any(
                 v.data_ptr() != r.data_ptr() for v, r in zip(rows_of_residuals, residuals))):
             key = None  # a reshape copied: the kernel reads the copy, not the caller's tensor
@@ -1902,6 +1902,15 @@ def _matmul(a, b, bias, residuals: tuple, activation: str, low: float, high: flo
     if key is not None and not grad:
         _remember(handle, a, key, out, _requires_grad(a, b, bias, *residuals), len(residuals))
     return out
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., n] as [rows, n] (reshape(-1, n) cannot size the rows of an empty tensor with n = 0); a 0-d tensor as
+    it is (the checks refuse it)."""
+    if t.dim() == 0:
+        return t
+    n = t.shape[-1]
+    return t.reshape(-1, n) if n else t.reshape(math.prod(t.shape[:-1]), 0)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *, registry,

@@ -341,6 +341,8 @@ def test_empty_problems_run_as_torch_runs_them(reg):
          lambda: torch.relu(b + r)),
         (lambda: tdt.linear(rand(3, 0), rand(5, 0), registry=reg, activation="sigmoid"), lambda: torch.full((3, 5), .5)),
         (lambda: tdt.linear(rand(2, 0, 8), rand(5, 8), b, registry=reg), lambda: torch.empty(2, 0, 5)),
+        (lambda: tdt.linear(rand(2, 3, 0), rand(5, 0), b, registry=reg), lambda: b.expand(2, 3, 5)),  # rows of no K
+        (lambda: tdt.linear(rand(2, 0, 4), rand(0, 4), registry=reg), lambda: torch.empty(2, 0, 0)),
         (lambda: tdt.linear(rand(3, 8), rand(0, 8), registry=reg), lambda: torch.empty(3, 0)),
         (lambda: tdt.matmul(rand(0, 3, 4), rand(0, 4, 5), registry=reg), lambda: torch.empty(0, 3, 5)),
         (lambda: tdt.conv(rand(0, 4, 5, 5), rand(6, 4, 3, 3), b.new_ones(6), padding=1, activation="relu",
