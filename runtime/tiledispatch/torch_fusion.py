@@ -30,6 +30,7 @@ routed through the bundle by tiledispatch.torch.patch (patch_rest=True).
 from __future__ import annotations
 
 import copy
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Optional
@@ -127,7 +128,7 @@ class FusedScaledConv(FusedConv):
     def forward(self, a: torch.Tensor, b: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         scale, x = (a, b) if _per_sample_channel(a, b) else (b, a) if _per_sample_channel(b, a) else (None, None)
         k = self.weight.shape[0]
-        pixels = 0 if x is None else x[0, 0].numel()
+        pixels = 0 if x is None else math.prod(x.shape[2:])
         if scale is None or pixels < max(_FOLD_MIN_PIXELS, k + 1) or (self.folded_bn and self.training):
             return super().forward(a * b, residual)
         n, c = x.shape[:2]

@@ -21,6 +21,7 @@ from torch import nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import tiledispatch.torch as tdt  # noqa: E402
+from tiledispatch.torch_fusion import FusedScaledConv  # noqa: E402
 from conftest import build_cpu_bundle  # noqa: E402
 from test_torch_fusion import FUSED_CONV_SET, TORCH_ACT as ACTIVATIONS, rel_err  # noqa: E402
 from test_torch_integration import TORCH_SET  # noqa: E402
@@ -240,6 +241,29 @@ def test_random_models_fused_match_torch(reg, seed):
             assert compared > 0, case
     assert fused_layers > 0  # the draws hold chains fuse() takes (a model in training mode may hold none)
 
+
+
+def test_random_models_fused_and_patched_run_a_batch_of_none(reg):
+    """A batch of 0 through fused and patched models (eval) gives torch's empty output: every block kind, the
+    squeeze-excitation fold among them (16 x 16 maps: past its pixel threshold)."""
+    rng = random.Random(300)
+    torch.manual_seed(300)
+    folded = 0
+    for _ in range(12):
+        c = rng.choice([4, 8, 16])
+        blocks = [ConvBlock(c, rng) if rng.random() < 0.7 else LinearBlock(c, rng) for _ in range(rng.randint(1, 4))]
+        model = nn.Sequential(nn.Conv2d(3, c, 3, padding=1), *blocks).eval()
+        x = torch.randn(0, 3, 16, 16)
+        if rng.random() < 0.5:
+            model, x = model.to(memory_format=torch.channels_last), tdt._channels_last(x)
+        with torch.no_grad():
+            ref = model(x)
+            fused, report = tdt.fuse(model, reg)
+            folded += sum(isinstance(m, FusedScaledConv) for m in fused.modules())
+            assert fused(x).shape == ref.shape, [repr(b) for b in blocks]
+            tdt.patch(model, reg)
+            assert model(x).shape == ref.shape, [repr(b) for b in blocks]
+    assert folded > 0
 
 # -- call sequences: what the launch caches remember must follow the tensors --------------------------------------
 @pytest.mark.parametrize("seed", range(2))
