@@ -316,13 +316,18 @@ def _empty_conv_fwd(x, w, bias, residuals, geo: _Geometry) -> torch.Tensor:
     """The forward conv of a batch of none: an empty output (its operands' dtypes checked by the caller)."""
     _checked_empty_batch("fwd", x.shape, w.shape, x, geo)
     shape = geo.fwd_shape(x, w)
-    if bias is not None and bias.shape != (w.shape[0],):
-        raise InvalidInputError(f"conv bias has shape {list(bias.shape)}, expected [{w.shape[0]}]")
+    _check_epilogue_shapes(bias, residuals, w.shape[0], shape)
+    return _new_channels_last(shape, x)
+
+
+def _check_epilogue_shapes(bias, residuals, k: int, shape: tuple) -> None:
+    """A conv's bias [K] and residuals of the output's shape, refused by name otherwise."""
+    if bias is not None and bias.shape != (k,):
+        raise InvalidInputError(f"conv bias has shape {list(bias.shape)}, expected [{k}]")
     for i, r in enumerate(residuals):
         if r.shape != shape:
             raise InvalidInputError(f"conv residual {i} has shape {list(r.shape)}, expected {list(shape)} (the "
                                     f"output's)")
-    return _new_channels_last(shape, x)
 
 
 def _gemm_impl(a, b, bias, residuals, activation, clamp_low, clamp_high, registry):
@@ -848,12 +853,7 @@ def _conv_fwd_epilogue_run(x, w, bias, residuals, activation: str, clamp: tuple,
     in_place = xc is x and wc is w and all(_channels_last(r) is r for r in residuals)  # the caller's memory, as given
     x, w = xc, wc
     shape = geo.fwd_shape(x, w)
-    if bias is not None and bias.shape != (w.shape[0],):
-        raise InvalidInputError(f"conv bias has shape {list(bias.shape)}, expected [{w.shape[0]}]")
-    for i, r in enumerate(residuals):
-        if r.shape != shape:
-            raise InvalidInputError(f"conv residual {i} has shape {list(r.shape)}, expected {list(shape)} (the "
-                                    f"output's)")
+    _check_epilogue_shapes(bias, residuals, w.shape[0], shape)
     reg = _registry_for(handle, x)
     y = _new_channels_last(shape, x)
     route = _conv_route(handle, x, w, geo, activation, bias is not None, len(residuals))
