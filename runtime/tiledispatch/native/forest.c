@@ -48,7 +48,8 @@ static int64_t below(const double *thresholds, int64_t count, double value) {
  * is too. The table rows are ANDed four at a time and the leaves summed into four partial sums: one pass over the
  * masks per four columns, four add chains instead of one. */
 #define EVALUATE(NAME, MASK, LOWEST)                                                                                \
-    TD_CLONES int NAME(int64_t rows, int64_t trees, int64_t width, const double *x, int64_t x_stride, int64_t columns,        \
+    TD_CLONES                                                                                                       \
+    int NAME(int64_t rows, int64_t trees, int64_t width, const double *x, int64_t x_stride, int64_t columns,        \
              const int64_t *column, const int64_t *base, const int64_t *first, const int64_t *count,                \
              const double *thresholds, const MASK *stack, const MASK *start, int64_t start_stride,                  \
              const double *leaf_values, MASK *shared, MASK *alive, int64_t *varying, MASK *masks_out,               \
