@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import itertools
 import math
 import os
@@ -539,11 +540,14 @@ def _profiled(fn) -> tuple[list, list]:
                                                                                "Parameter.", "_VariableFunctions")):
             methods.append(arg.__qualname__.split(".", 1)[1])
 
+    gc.collect()  # a collection inside the call would run finalizers there: frames of other objects, not the call's
+    gc.disable()
     sys.setprofile(profile)
     try:
         fn()
     finally:
         sys.setprofile(None)
+        gc.enable()
     return frames, methods
 
 

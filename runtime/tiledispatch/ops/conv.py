@@ -14,7 +14,6 @@ Arrays come in one of two forms, chosen by the caller with `groups`:
 """
 from __future__ import annotations
 
-import functools
 import numbers
 import operator
 import threading
@@ -150,7 +149,7 @@ class ConvProblem:
     def spatial_dims(self) -> int:
         return len(self.in_size)
 
-    @functools.cached_property  # read several times by every first select (a frozen dataclass: computed once)
+    @property
     def out_size(self) -> tuple[int, ...]:
         return tuple((i + lo + hi - d * (f - 1) - 1) // s + 1 for i, f, s, d, lo, hi in
                      zip(self.in_size, self.filter_size, self.stride, self.dilation, self.pad_lo, self.pad_hi))
