@@ -285,11 +285,11 @@ def _gemm_out_dtype(a: torch.Tensor) -> torch.dtype:
 def _empty_gemm(a, b, bias, residuals, activation: str, clamp: tuple) -> torch.Tensor:
     """The result of a GEMM with M, N, K or the batch 0."""
     out = a.new_zeros(_gemm_shape(a, b), dtype=_gemm_out_dtype(a))
-    _check_sum_operands(out, bias, residuals)
     if not out.numel():
+        _check_sum_operands(out, bias, residuals)
         return out
     if bias is not None or residuals:
-        _fill_with_sum(out, bias, residuals)
+        _fill_with_sum(out, bias, residuals)  # (its checks, too)
     return _activate_(out, activation, clamp)
 
 
