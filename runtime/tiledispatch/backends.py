@@ -51,6 +51,13 @@ FAMILY_OPTIONAL = {
 # conv family's problem_smem_bytes(problem, key).
 
 
+def tile_efficiency(key) -> float:
+    """The analytic ranker's efficiency of a key's tile (selection.py): its intensity m n / (m + n) against the
+    backend's knee (selection["intensity_knee"]), at most 1."""
+    tm, tn, _ = key.algorithm.tile
+    return min(1.0, (tm * tn / (tm + tn)) / get(key.backend).selection.get("intensity_knee", 64.0))
+
+
 def _default_gemm_view(problem, key) -> tuple[int, int, int, int]:
     if hasattr(problem, "gemm_shape"):  # a conv problem: the implicit GEMM per group its direction performs
         return problem.gemm_shape()

@@ -1,4 +1,4 @@
-"""python -m tiledispatch {list, info, select, run, bench} BUNDLE [gemm | conv ...]: every command prints
+"""python -m tiledispatch {list, info, select, run, bench} BUNDLE [gemm | conv | layernorm ...]: every command prints
 one JSON object (standard JSON: a non-finite number prints as null). BUNDLE is a bundle directory, a pack
 (NAME.tdpack) or the name of an installed pack.
 
@@ -31,6 +31,7 @@ import numpy as np
 from . import errors, learned, loader, selection, validation
 from .ops import conv as conv_op
 from .ops import gemm as gemm_op
+from .ops import layernorm as ln_op
 from .spec.dtypes import DTYPES, dtype
 from .spec.key import ACTIVATIONS
 
@@ -132,8 +133,13 @@ def _conv_problem(reg, a) -> conv_op.ConvProblem:
                                0 if lo is None else lo, 0 if hi is None else hi, dt, dt, dtype_y, layout)
 
 
+def _layernorm_problem(reg, a) -> ln_op.LayerNormProblem:
+    dt, dtype_y = _dtypes(_op_kernels(reg, "layernorm"), a.dtype)
+    return ln_op.LayerNormProblem(a.rows, a.cols, dt, dt, dtype_y)
+
+
 def _problem(reg, a):
-    return _gemm_problem(reg, a) if a.op == "gemm" else _conv_problem(reg, a)
+    return {"gemm": _gemm_problem, "conv": _conv_problem, "layernorm": _layernorm_problem}[a.op](reg, a)
 
 
 # -- inputs: sized before they are allocated ---------------------------------------------------------
@@ -144,6 +150,8 @@ def _arrays(p) -> list[tuple[int, str, bool]]:
         arrays = [(p.batch * p.m * p.k, p.dtype_a, False), (p.batch * p.k * p.n, p.dtype_b, False),
                   (out, p.dtype_c, True)] + [(out, p.dtype_c, False)] * p.epilogue.residuals
         return arrays + ([(p.n, p.dtype_c, False)] if p.epilogue.bias else [])
+    if p.op == "layernorm":
+        return [(p.rows * p.cols, p.dtype_x, False), (p.rows * p.cols, p.dtype_y, True), (2 * p.cols, p.dtype_w, False)]
     shapes, written = p.shapes(), conv_op.WRITES[p.direction]
     dtypes = {"x": p.dtype_x, "w": p.dtype_w, "y": p.dtype_y}
     return [(math.prod(shapes[r]), dtypes[r], r == written) for r in ("x", "w", "y")]
@@ -199,6 +207,8 @@ def _check_size(p, a) -> None:
 def _inputs(p, a) -> dict:
     _check_size(p, a)
     rng = np.random.default_rng(a.seed)
+    if p.op == "layernorm":
+        return validation.layernorm_case(p, rng, a.eps)[0]
     return validation.gemm_inputs(p, rng) if p.op == "gemm" else validation.conv_inputs(p, rng)
 
 
@@ -221,6 +231,8 @@ def _launch(reg, p, data, kernel, a) -> float:
         reg.gemm(data["a"], data["b"], data["out"], bias=data["bias"], residuals=data["residuals"],
                  activation=p.epilogue.activation, kernel=kernel, alpha=a.alpha, beta=0.0,
                  clamp=(a.clamp_low, a.clamp_high))
+    elif p.op == "layernorm":
+        reg.layer_norm(data["x"], data["weight"], data["bias"], data["out"], eps=a.eps, kernel=kernel)
     else:
         geo = {"stride": p.stride, "dilation": p.dilation, "pad_lo": p.pad_lo, "pad_hi": p.pad_hi}
         if p.direction == "fwd":
@@ -238,11 +250,13 @@ def _reference(p, data, a):
     if p.op == "gemm":
         return reference.gemm(data["a"], data["b"], None, data["bias"], data["residuals"], a.alpha, 0.0,
                               p.epilogue.activation, (a.clamp_low, a.clamp_high))
+    if p.op == "layernorm":
+        return reference.layer_norm(data["x"], data["weight"], data["bias"], a.eps)
     return a.alpha * validation.conv_reference(p, data)
 
 
 def _written(p, data):
-    return data["out"] if p.op == "gemm" else data[conv_op.WRITES[p.direction]]
+    return data["out"] if p.op in ("gemm", "layernorm") else data[conv_op.WRITES[p.direction]]
 
 
 def _gflops(p, ms: float):
@@ -360,10 +374,11 @@ def _at_least(low: int):
     return parse
 
 
-def _common_options(sp, command: str) -> None:
-    """Options of every op."""
+def _common_options(sp, command: str, alpha: bool = True) -> None:
+    """Options of every op (alpha: of those that scale their result)."""
     sp.add_argument("--dtype", choices=sorted(DTYPES), help="input dtype (default: the bundle's, when it has one)")
-    sp.add_argument("--alpha", type=float, default=1.0)
+    if alpha:
+        sp.add_argument("--alpha", type=float, default=1.0)
     sp.add_argument("--ranker", choices=["auto", *sorted(selection.RANKERS)], default="auto",
                     help="auto: this device's tuning record, else learned (a shipped model), else analytic")
     sp.add_argument("--kernel", help="run this kernel instead of the selected one")
@@ -383,7 +398,7 @@ def _common_options(sp, command: str) -> None:
 
 
 def _op_parsers(sp, command: str) -> None:
-    ops = sp.add_subparsers(dest="op", required=True, metavar="{gemm,conv}")
+    ops = sp.add_subparsers(dest="op", required=True, metavar="{gemm,conv,layernorm}")
     g = ops.add_parser("gemm", help="D = act(alpha * A @ B + bias + residuals)")
     for dim in ("m", "n", "k"):
         g.add_argument(f"--{dim}", type=int, required=True)
@@ -412,6 +427,12 @@ def _op_parsers(sp, command: str) -> None:
     c.add_argument("--pad-hi", type=int, nargs="+", metavar="P", help="trailing side (asymmetric padding)")
     c.add_argument("--layout", help="default: the bundle's (nhwgc)")
     _common_options(c, command)
+
+    n = ops.add_parser("layernorm", help="y = (x - mean) / sqrt(var + eps) * weight + bias over each row of x")
+    n.add_argument("--rows", type=int, required=True)
+    n.add_argument("--cols", type=int, required=True, help="the normalized dim")
+    n.add_argument("--eps", type=float, default=ln_op.DEFAULT_EPS)
+    _common_options(n, command, alpha=False)
 
 
 def cmd_pack(a) -> int:

@@ -170,3 +170,15 @@ def gemm(a, b, c=None, bias=None, residuals=(), alpha=1.0, beta=0.0, activation=
     for r in residuals:
         out = out + _f64(r)
     return ACTIVATIONS[activation](out, clamp[0], clamp[1])
+
+
+def layer_norm(x, weight=None, bias=None, eps: float = 1e-5) -> np.ndarray:
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last dim, in float64; the variance biased (as torch's)."""
+    x = _f64(x)
+    centered = x - x.mean(axis=-1, keepdims=True)
+    out = centered / np.sqrt((centered * centered).mean(axis=-1, keepdims=True) + eps)
+    if weight is not None:
+        out = out * _f64(weight)
+    if bias is not None:
+        out = out + _f64(bias)
+    return out

@@ -20,6 +20,7 @@ from .ops import get as ops_get
 from .ops import conv as conv_op
 from .ops.conv import ConvProblem
 from .ops.gemm import GemmProblem, clamp_pair
+from .ops.layernorm import DEFAULT_EPS, LayerNormProblem
 from .plan import _CALLS, BoundedCache, Launcher, Plan, fingerprint, prints3, stream_now
 from .errors import BundleError, InvalidInputError, UnsupportedProblemError
 from .spec.key import KernelKey
@@ -381,8 +382,9 @@ class Registry:
             num_threads: int = 0, **scalars) -> Kernel:
         """Launch one kernel once; operands is the op module's Operands or a dict of arrays (for GEMM:
         a, b, out, and optionally c, bias, residuals). Returns the kernel used."""
-        if not isinstance(problem, (GemmProblem, ConvProblem)):
-            raise InvalidInputError(f"problem must be a GemmProblem or ConvProblem, got {type(problem).__name__}")
+        if not isinstance(problem, (GemmProblem, ConvProblem, LayerNormProblem)):
+            raise InvalidInputError(f"problem must be a GemmProblem, ConvProblem or LayerNormProblem, got "
+                                    f"{type(problem).__name__}")
         ops = ops_get(problem.op)
         if isinstance(operands, dict):
             operands = ops.operands_for(problem, operands)
@@ -501,6 +503,34 @@ class Registry:
     def conv_bwd_weight(self, x, dy, out=None, **options):
         """dw = alpha * conv_bwd_weight(x, dy) + beta * out; without out, give filter_size."""
         return conv_op.run(self, "bwd_weight", x, out, dy, out, options)
+
+    def layer_norm(self, x, weight=None, bias=None, out=None, *, eps: float = DEFAULT_EPS, kernel=None, stream=None,
+                   num_threads: int = 0):
+        """out = (x - mean) / sqrt(var + eps) * weight + bias over x's last dim, per row (the variance biased, as
+        torch's; weight and bias [cols], each optional); returns out (allocated like x if None; it may be x).
+        Repeated calls whose arrays and options match an earlier call's reuse its prepared launch."""
+        from .ops import layernorm as ln_op
+
+        key = None
+        try:  # the fast path, as gemm()'s: the key holds all the full checks look at except the pointers
+            prints = [fingerprint(t) for t in (x, weight, bias, out)]
+            if out is not None:
+                key = ("layernorm", _thread_id(), type(eps), eps, kernel if kernel is None or type(kernel) is str
+                       else kernel.name, stream, type(stream), num_threads, type(num_threads),
+                       stream_now(x) if stream is None and self.device != "cpu" else None,
+                       *(p[1] for p in prints))
+                launcher = self._launches.get(key)
+                if launcher is not None:
+                    launcher(tuple(p[0] for p in prints), None, None)
+                    return out
+        except Exception:  # an argument that cannot be fingerprinted or hashed: the checks below say what is wrong
+            key = None
+        problem, operands = ln_op.operands(x, weight, bias, out)
+        self._check_device(operands)
+        plan = self._launch(problem, operands, kernel=kernel, stream=stream, num_threads=num_threads, eps=eps)
+        if key is not None:
+            self._launches.put(key, Launcher(plan, None, None))
+        return operands.out
 
     def workspace(self, nbytes: int, like, stream=None) -> int:
         """A device buffer of at least nbytes, allocated once per device and stream (kernels running at once on

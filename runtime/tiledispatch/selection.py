@@ -37,8 +37,7 @@ def estimated_cost(problem, key) -> float:
 
 def _tile_cost(problem, key, family) -> float:
     tm, tn, tk = key.algorithm.tile
-    knee = backends.get(key.backend).selection.get("intensity_knee", 64.0)
-    efficiency = min(1.0, (tm * tn / (tm + tn)) / knee)
+    efficiency = backends.tile_efficiency(key)
     steps = family.partials_cost(problem, key)
     if steps is not None:  # a persistent split-K kernel: its own cost model, in main-loop steps of one tile
         return steps * tm * tn * tk * family.resident_ctas(key) / efficiency * family.cost_factor(key)

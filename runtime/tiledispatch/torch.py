@@ -14,6 +14,7 @@ an operator takes no Python objects):
              registry)                                                  act(conv(x, w) + bias + sum(residuals))
     conv_bwd_data(dy, w, in_size, stride, dilation, pad_lo, pad_hi, groups, registry)
     conv_bwd_weight(x, dy, filter_size, stride, dilation, pad_lo, pad_hi, groups, registry)
+    layer_norm(x, normalized_shape, weight, bias, eps, registry)        F.layer_norm's forward
 They are not differentiable themselves: linear(), matmul() and conv() are, recording their calls in the
 autograd graph (eagerly by the native module's C++ node, else by autograd Functions) with forward and backward
 functions that call them, so torch.compile(fullgraph=True) traces both through the fake implementations.
@@ -64,11 +65,12 @@ from .ops import conv as conv_op
 from .ops import conv_as_gemm
 from .ops.conv import ConvProblem
 from .ops.gemm import GemmProblem, check_size
+from .ops.layernorm import LayerNormProblem
 from .plan import _torch_print, last_launcher
 from .registry import NO_CLAMP, Registry
 from .spec.key import ACTIVATIONS, Epilogue
 
-__all__ = ["register", "registry_of", "linear", "matmul", "conv", "patch", "unpatch", "PatchReport", "LayerReport",
+__all__ = ["register", "registry_of", "linear", "matmul", "conv", "layer_norm", "patch", "unpatch", "PatchReport", "LayerReport",
            "fuse", "FuseReport", "FusedLayer", "FusedConv", "FusedLinear"]
 
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "int8",
@@ -83,6 +85,7 @@ class _Capabilities:
     gemm: frozenset  # (dtype, layout, activation, bias, residuals)
     conv: frozenset  # (direction, spatial_dims, dtype)
     conv_epilogues: frozenset  # (spatial_dims, dtype, activation, bias, residuals) of fwd kernels fusing one
+    layernorm: frozenset  # dtypes of x (weight and bias in the same dtype)
 
 
 _REGISTRIES: list[Registry] = []
@@ -103,7 +106,7 @@ def register(registry: Union[Registry, int]) -> int:
     if not isinstance(registry, Registry):
         raise InvalidInputError(f"registry must be a tiledispatch Registry (td.load) or a handle, got "
                                 f"{type(registry).__name__}")
-    gemm, convs, conv_epilogues = set(), set(), set()
+    gemm, convs, conv_epilogues, layernorm = set(), set(), set(), set()
     for k in registry.kernels:
         sig = k.key.signature
         e = sig.epilogue
@@ -114,8 +117,10 @@ def register(registry: Union[Registry, int]) -> int:
                 convs.add((sig.direction, sig.spatial_dims, sig.dtype_a))
             elif sig.direction == "fwd":
                 conv_epilogues.add((sig.spatial_dims, sig.dtype_a, e.activation, e.bias, e.residuals))
+        elif sig.op == "layernorm" and sig.dtype_b == sig.dtype_a:
+            layernorm.add(sig.dtype_a)
     _REGISTRIES.append(registry)  # kept alive, so its id is never reused for another object
-    _CAPS.append(_Capabilities(frozenset(gemm), frozenset(convs), frozenset(conv_epilogues)))
+    _CAPS.append(_Capabilities(frozenset(gemm), frozenset(convs), frozenset(conv_epilogues), frozenset(layernorm)))
     _HANDLES[id(registry)] = len(_REGISTRIES) - 1
     return len(_REGISTRIES) - 1
 
@@ -1324,6 +1329,29 @@ def _conv_bwd_weight_fake(x, dy, filter_size, stride, dilation, pad_lo, pad_hi, 
     return _empty_channels_last((dy.shape[1], x.shape[1] // groups, *filter_size), x)
 
 
+# -- layer norm ----------------------------------------------------------------------------------------------
+def _layer_norm_run(x, normalized_shape, weight, bias, eps: float, handle: int) -> torch.Tensor:
+    """F.layer_norm's forward on the bundle's layernorm kernels: x's trailing normalized_shape dims are each row
+    (x copied where its memory is not one run of rows); the output contiguous, as torch's."""
+    cols = math.prod(normalized_shape)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    rows = x if x.is_contiguous() else x.contiguous()
+    w = None if weight is None else weight.reshape(cols)
+    b = None if bias is None else bias.reshape(cols)
+    _registry_for(handle, x).layer_norm(rows.view(-1, cols), w, b, out.view(-1, cols), eps=eps)
+    return out
+
+
+def _layer_norm_impl(x, normalized_shape, weight, bias, eps, registry):
+    return _layer_norm_run(x, tuple(normalized_shape), weight, bias, eps, registry)
+
+
+def _layer_norm_fake(x, normalized_shape, weight, bias, eps, registry):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
 _GEO = "int[] stride, int[] dilation, int[] pad_lo, int[] pad_hi, int groups, int registry"
 _LIB = torch.library.Library("tiledispatch", "DEF")
 _SCHEMAS = {
@@ -1335,6 +1363,8 @@ _SCHEMAS = {
                       _conv_bwd_data_fake),
     "conv_bwd_weight": (f"conv_bwd_weight(Tensor x, Tensor dy, SymInt[] filter_size, {_GEO}) -> Tensor",
                         _conv_bwd_weight_impl, _conv_bwd_weight_fake),
+    "layer_norm": ("layer_norm(Tensor x, int[] normalized_shape, Tensor? weight, Tensor? bias, float eps, int registry) "
+                   "-> Tensor", _layer_norm_impl, _layer_norm_fake),
 }
 for _name, (_schema, _impl, _fake) in _SCHEMAS.items():
     _LIB.define(_schema)
@@ -1347,6 +1377,7 @@ _gemm_op = _ops.gemm.default
 _conv_fwd_op = _ops.conv_fwd.default
 _conv_bwd_data_op = _ops.conv_bwd_data.default
 _conv_bwd_weight_op = _ops.conv_bwd_weight.default
+_layer_norm_op = _ops.layer_norm.default
 
 
 # -- eager calls -------------------------------------------------------------------------------------------
@@ -1937,6 +1968,48 @@ def _linear(x, weight, bias, residuals: tuple, activation: str, low: float, high
     return _matmul(x, weight.t(), bias, residuals, activation, low, high, handle, key)
 
 
+def layer_norm(x: torch.Tensor, normalized_shape, weight: Optional[torch.Tensor] = None,
+               bias: Optional[torch.Tensor] = None, eps: float = 1e-5, *, registry) -> torch.Tensor:
+    """F.layer_norm on the bundle, its arguments in the same order: the trailing dims normalized_shape names are
+    normalized per row (the variance biased), then scaled by weight and shifted by bias (each optional, of that
+    shape). The kernels are forward only: a call that records a gradient, or runs under torch.autocast (which
+    computes layer norm in float32), is torch's F.layer_norm, so its result and gradient are torch's."""
+    return _layer_norm(x, normalized_shape, weight, bias, eps, register(registry))
+
+
+def _layer_norm(x, normalized_shape, weight, bias, eps, handle: int) -> torch.Tensor:
+    shape = _normalized_shape(x, normalized_shape, weight, bias)
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise InvalidInputError(f"layer_norm: eps must be a real number, got {eps!r}")
+    if _needs_grad(x, weight, bias) or (_any_autocast() and torch.is_autocast_enabled(x.device.type)):
+        return F.layer_norm(x, shape, weight, bias, eps)
+    if _eager(x, x if weight is None else weight, bias):
+        return _layer_norm_run(x, shape, weight, bias, float(eps), handle)
+    return _layer_norm_op(x, list(shape), weight, bias, float(eps), handle)
+
+
+def _normalized_shape(x, normalized_shape, weight, bias) -> tuple:
+    """normalized_shape as a tuple of ints, checked against x's trailing dims and the shapes of weight and bias."""
+    if not isinstance(x, torch.Tensor):
+        raise InvalidInputError(f"layer_norm: x must be a tensor, got {type(x).__name__}")
+    shape = (normalized_shape,) if isinstance(normalized_shape, numbers.Integral) else normalized_shape
+    try:
+        shape = tuple(_plain_int(d) for d in shape)
+    except (TypeError, InvalidInputError):
+        shape = ()
+    if not shape or isinstance(normalized_shape, bool) or any(d < 1 for d in shape):
+        raise InvalidInputError(f"layer_norm: normalized_shape must be one or more positive ints, got "
+                                f"{normalized_shape!r}")
+    if x.dim() < len(shape) or tuple(x.shape[x.dim() - len(shape):]) != shape:
+        raise InvalidInputError(f"layer_norm: x has shape {list(x.shape)}, whose trailing dims are not "
+                                f"normalized_shape {list(shape)}")
+    for t, role in ((weight, "weight"), (bias, "bias")):
+        if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape):
+            raise InvalidInputError(f"layer_norm: {role} must be a tensor of shape {list(shape)}, got "
+                                    f"{list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    return shape
+
+
 def _per_dim(name: str, value, rank: int) -> list:
     """rank plain ints from an int or a sequence of ints (numpy integers accepted, bools refused)."""
     if type(value) is int:
@@ -2096,13 +2169,17 @@ class PatchReport:
 
 
 _CONV_TYPES = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
-_BASE_FORWARD = {"Linear": nn.Linear.forward, **{f"Conv{rank}d": cls.forward for cls, rank in _CONV_TYPES.items()}}
+_BASE_FORWARD = {"Linear": nn.Linear.forward, "LayerNorm": nn.LayerNorm.forward,
+                 **{f"Conv{rank}d": cls.forward for cls, rank in _CONV_TYPES.items()}}
 _PATCH_ATTR = "_tiledispatch_patch"
+_ANY_DTYPE = "input's"  # the dtype patch() reports for a LayerNorm without parameters
 
 
 def _layer_kind(module: nn.Module) -> Optional[str]:
     if isinstance(module, nn.Linear):
         return "Linear"
+    if isinstance(module, nn.LayerNorm):
+        return "LayerNorm"
     for cls, rank in _CONV_TYPES.items():
         if isinstance(module, cls):
             return f"Conv{rank}d"
@@ -2124,6 +2201,11 @@ def _conv_padding(module) -> tuple[list, list]:
 
 def _patched_linear_forward(self, x):
     return _linear(x, self.weight, self.bias, (), "identity", *NO_CLAMP, getattr(self, _PATCH_ATTR)["handle"])
+
+
+def _patched_layer_norm_forward(self, x):
+    return _layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps,
+                       getattr(self, _PATCH_ATTR)["handle"])
 
 
 def _patched_conv_forward(self, x):
@@ -2152,6 +2234,10 @@ def _patched_conv_forward(self, x):
 def _missing(handle: int, module: nn.Module, kind: str, dtype: str, training: bool) -> Optional[str]:
     """Why the bundle cannot run this layer's op and dtype, or None."""
     caps = _CAPS[handle]
+    if kind == "LayerNorm":
+        if not (caps.layernorm if dtype == _ANY_DTYPE else dtype in caps.layernorm):
+            return f"the bundle has no {'' if dtype == _ANY_DTYPE else dtype + ' '}layernorm kernels"
+        return None
     if kind == "Linear":
         if not any(c[0] == dtype and c[2] == "identity" and c[1][2] == "r" for c in caps.gemm):
             return f"the bundle has no {dtype} GEMM kernels"
@@ -2184,8 +2270,10 @@ def patch(model: nn.Module, registry, *, example_inputs=None, autocast: Optional
             continue
         if hasattr(module, _PATCH_ATTR):
             _unpatch_module(module)
-        compute = autocast if autocast is not None and module.weight.dtype == torch.float32 else module.weight.dtype
-        dtype = _DTYPES.get(compute, str(compute).replace("torch.", ""))
+        weight = module.weight  # None: a LayerNorm without elementwise affine (it runs in its input's dtype)
+        compute = autocast if autocast is not None and weight is not None and weight.dtype == torch.float32 else (
+            None if weight is None else weight.dtype)
+        dtype = _ANY_DTYPE if compute is None else _DTYPES.get(compute, str(compute).replace("torch.", ""))
         training = any(p.requires_grad for p in module.parameters(recurse=False))
         reason = _missing(handle, module, kind, dtype, training)
         if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
@@ -2196,15 +2284,16 @@ def patch(model: nn.Module, registry, *, example_inputs=None, autocast: Optional
             layers.append(LayerReport(name, kind, dtype, "pytorch", reason))
             continue
         report = LayerReport(name, kind, dtype, "tiledispatch", notes=_static_notes(handle, module, kind, dtype))
-        if compute != module.weight.dtype:
+        if weight is not None and compute != weight.dtype and kind != "LayerNorm":
             report.notes.append(f"fp32 parameters, computed in {dtype} under torch.autocast")
         state = {"handle": handle, "report": report, "dtype": dtype}
-        if kind != "Linear":
+        if kind.startswith("Conv"):
             state["pad_lo"], state["pad_hi"] = _conv_padding(module)
             state["geometry"] = None, None  # made on the first call (_patched_conv_forward)
         setattr(module, _PATCH_ATTR, state)
-        module.forward = types.MethodType(_patched_linear_forward if kind == "Linear" else _patched_conv_forward,
-                                          module)
+        forward = {"Linear": _patched_linear_forward, "LayerNorm": _patched_layer_norm_forward}.get(
+            kind, _patched_conv_forward)
+        module.forward = types.MethodType(forward, module)
         layers.append(report)
     result = PatchReport(layers)
     if example_inputs is not None:
@@ -2227,6 +2316,8 @@ def _unpatch_module(module: nn.Module) -> None:
 
 def _static_notes(handle: int, module: nn.Module, kind: str, dtype: str) -> list:
     notes = []
+    if kind == "LayerNorm":
+        return ["forward only: a call that records a gradient or runs under torch.autocast is torch's F.layer_norm"]
     if kind == "Linear":
         if module.bias is not None:
             try:
@@ -2267,6 +2358,11 @@ def _record_kernels(model: nn.Module, handle: int, example_inputs, autocast: Opt
         training = any(p.requires_grad for p in module.parameters(recurse=False))
         if report.kind == "Linear":
             report.kernels.update(_linear_kernels(handle, module, x, training))
+        elif report.kind == "LayerNorm":
+            cols = math.prod(module.normalized_shape)
+            dtype = _DTYPES.get(x.dtype, str(x.dtype))
+            report.kernels["fwd"] = _select_name(handle, LayerNormProblem(max(1, x.numel() // cols), cols, dtype,
+                                                                          dtype, dtype))
         else:
             if module.padding_mode != "zeros":
                 x = F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode)

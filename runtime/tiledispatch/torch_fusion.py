@@ -6,6 +6,9 @@
 Chains fused (each into one call of tiledispatch.torch.conv / matmul with an epilogue):
     conv -> [batch norm] -> [+ residual] -> [activation]
     linear -> [scale, permute ...] -> [+ residual] -> [activation]
+Layer norms run on the bundle's layernorm kernels where it has them: nn.LayerNorm modules through patch(), and
+functional calls (F.layer_norm in a module's forward, such as torchvision's LayerNorm2d) as
+tiledispatch.torch.layer_norm calls; both forward only (a call recording a gradient is torch's).
 A pointwise conv's input may be a product x * s, s holding one value per sample and channel (squeeze-excitation's
 scale, [N, C, 1, 1]): the product is taken into the fused call (FusedScaledConv: where each sample's pixels fill
 GEMM tiles, the weight is scaled per sample instead of x, and the conv runs as one batched GEMM).
@@ -550,6 +553,9 @@ class _Pass:
                                                                      "(tied weights): not fused"))
                 continue
             changed |= self.chain(gm, node, m, kind, modules, prefix)
+        for node in list(gm.graph.nodes):
+            if node.op == "call_function" and node.target in (F.layer_norm, torch.layer_norm):
+                changed |= self.layer_norm(gm, node, prefix)
         if changed:
             gm.graph.lint()
             gm.delete_all_unused_submodules()
@@ -623,6 +629,33 @@ class _Pass:
                 self.report.kept.append((_describe(user, prefix), f"the bundle has no {dtype} GEMM kernel computing "
                                                                   f"{act[0]}: stays PyTorch's"))
         return self.replace(gm, nodes, parts, m, kind, bn, residual, activation, clamp, prefix, scale, layout)
+
+    def layer_norm(self, gm: fx.GraphModule, node: fx.Node, prefix: str) -> bool:
+        """A functional layer norm in the graph (a module whose forward calls F.layer_norm, such as torchvision's
+        LayerNorm2d around a permute) as tiledispatch.torch.layer_norm, which takes the same arguments; nn.LayerNorm
+        modules are patch()'s. Where the bundle has no layernorm kernel of the weight's dtype it stays torch's."""
+        if not node.args or "input" in node.kwargs:
+            return False
+        weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+        if isinstance(weight, fx.Node) and weight.op == "get_attr":
+            dt = gm.get_parameter(weight.target).dtype
+            dtype = tdt._DTYPES.get(dt, str(dt).replace("torch.", ""))
+        elif weight is None:
+            dtype = tdt._ANY_DTYPE
+        else:  # a weight computed in the graph: its dtype is known only at run time
+            return False
+        name = _describe(node, prefix)
+        if isinstance(weight, fx.Node):  # named after the module whose weight it reads
+            name = f"{_join(prefix, weight.target.rpartition('.')[0])} ({name})"
+        missing = tdt._missing(self.handle, None, "LayerNorm", dtype, False)
+        if missing:
+            self.report.kept.append((name, f"{missing}: stays torch's"))
+            return False
+        node.target = tdt.layer_norm
+        node.kwargs = {**node.kwargs, "registry": self.handle}
+        self.report.fused.append(FusedLayer(name, "layer_norm", [name], "none", notes=[
+            "forward only: a call that records a gradient or runs under torch.autocast is torch's F.layer_norm"]))
+        return True
 
     def gemm_supports(self, kind: str, dtype: str, m: nn.Module, activation: str, residuals: int) -> bool:
         """Whether a linear's GEMM can take this epilogue (conv epilogues always can: see the module's doc)."""

@@ -143,3 +143,17 @@ def conv_case(p, rng) -> tuple[dict, np.ndarray]:
     expect = conv_reference(p, data)
     poison(data[WRITES[p.direction]])
     return data, expect
+
+
+def layernorm_case(p, rng, eps: float = 1e-5, affine: bool = True) -> tuple[dict, np.ndarray]:
+    """Random x (rows offset from zero and of different spreads, so both statistics matter), weight and bias for a
+    LayerNormProblem, a poisoned out, and the float64 reference result."""
+    from . import reference
+
+    x = random_array(rng, (p.rows, p.cols), "fp64") * rng.uniform(0.5, 4.0, size=(p.rows, 1)) \
+        + rng.uniform(-3.0, 3.0, size=(p.rows, 1))
+    data = {"x": x.astype(numpy_dtype(p.dtype_x)),
+            "weight": random_array(rng, (p.cols,), p.dtype_w, 2.0) if affine else None,
+            "bias": random_array(rng, (p.cols,), p.dtype_w) if affine else None,
+            "out": poison(np.empty((p.rows, p.cols), dtype=numpy_dtype(p.dtype_y)))}
+    return data, reference.layer_norm(data["x"], data["weight"], data["bias"], eps)

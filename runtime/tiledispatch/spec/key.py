@@ -22,7 +22,7 @@ from .dtypes import DTYPES
 
 KEY_SCHEMA_VERSION = 1
 
-OPS = ("gemm", "conv")
+OPS = ("gemm", "conv", "layernorm")
 DIRECTIONS = ("none", "fwd", "bwd_data", "bwd_weight")  # "none" for gemm
 # the activations are those the float64 reference defines (reference.ACTIVATIONS): a new one is its reference
 # there plus its code in each backend's epilogue template
@@ -32,6 +32,8 @@ GEMM_LAYOUTS = tuple(a + b + c for a in "rc" for b in "rc" for c in "rc")
 # Conv layouts: channels-last with an explicit group axis; the rank comes from spatial_dims
 # (input NWGC / NHWGC / NDHWGC, weight GKXC / GKYXC / GKZYXC, output NWGK / NHWGK / NDHWGK).
 CONV_LAYOUTS = ("nhwgc",)
+# LayerNorm layout: rows of the normalized (last, unit-stride) dim; A is x, B the affine weight and bias, C y.
+LAYERNORM_LAYOUTS = ("rows",)
 
 _NAME_TOKEN = re.compile(r"^[a-z0-9]+$")
 
@@ -88,10 +90,12 @@ class Signature:
             raise ValueError(f"epilogue: expected an Epilogue, got {self.epilogue!r}")
         if not isinstance(self.spatial_dims, int) or isinstance(self.spatial_dims, bool):
             raise ValueError(f"spatial_dims: expected an integer, got {self.spatial_dims!r}")
-        if self.op == "gemm":
-            _check_enum("layout", self.layout, GEMM_LAYOUTS)
+        if self.op in ("gemm", "layernorm"):
+            _check_enum("layout", self.layout, GEMM_LAYOUTS if self.op == "gemm" else LAYERNORM_LAYOUTS)
             if self.direction != "none" or self.spatial_dims != 0:
-                raise ValueError("gemm keys take no direction or spatial_dims")
+                raise ValueError(f"{self.op} keys take no direction or spatial_dims")
+            if self.op == "layernorm" and self.epilogue != Epilogue():
+                raise ValueError("layernorm keys take no epilogue (the affine weight and bias are its operands)")
         else:
             _check_enum("layout", self.layout, CONV_LAYOUTS)
             _check_enum("direction", self.direction, DIRECTIONS[1:])
@@ -289,7 +293,7 @@ def _extra_token(name: str, value: Any) -> str:
 
 def kernel_name(key: KernelKey) -> str:
     sig, alg = key.signature, key.algorithm
-    op = "gemm" if sig.op == "gemm" else f"conv{sig.spatial_dims}d{_DIR_INV[sig.direction]}"
+    op = sig.op if sig.op != "conv" else f"conv{sig.spatial_dims}d{_DIR_INV[sig.direction]}"
     epi = _squeeze(sig.epilogue.activation)
     epi += "bias" if sig.epilogue.bias else ""
     epi += f"res{sig.epilogue.residuals}" if sig.epilogue.residuals else ""
@@ -321,8 +325,8 @@ def parse_kernel_name(name: str, vocabulary=None) -> KernelKey:
         raise ValueError(f"not a kernel name (too few fields): {name!r}")
     op_tok, dtypes_tok, layout, epi_tok, backend_tok, arch = tokens[:6]
     try:
-        if op_tok == "gemm":
-            op, direction, dims = "gemm", "none", 0
+        if op_tok in ("gemm", "layernorm"):
+            op, direction, dims = op_tok, "none", 0
         else:
             m = re.fullmatch(r"conv([123])d(fwd|bwdd|bwdw)", op_tok)
             if not m:
