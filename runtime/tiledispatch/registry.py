@@ -511,7 +511,7 @@ class Registry:
         Repeated calls whose arrays and options match an earlier call's reuse its prepared launch."""
         from .ops import layernorm as ln_op
 
-        key = None
+        key = launcher = None
         try:  # the fast path, as gemm()'s: the key holds all the full checks look at except the pointers
             prints = [fingerprint(t) for t in (x, weight, bias, out)]
             if out is not None:
@@ -520,16 +520,22 @@ class Registry:
                        stream_now(x) if stream is None and self.device != "cpu" else None,
                        *(p[1] for p in prints))
                 launcher = self._launches.get(key)
-                if launcher is not None:
-                    launcher(tuple(p[0] for p in prints), None, None)
-                    return out
         except Exception:  # an argument that cannot be fingerprinted or hashed: the checks below say what is wrong
-            key = None
+            key = launcher = None
+        if launcher is not None:
+            _CALLS.launcher = launcher
+            try:
+                launcher(tuple(p[0] for p in prints), None, None)
+            except BaseException:  # e.g. an overlap of the new pointers: the next call checks everything
+                self._launches.discard(key)
+                raise
+            return out
         problem, operands = ln_op.operands(x, weight, bias, out)
         self._check_device(operands)
         plan = self._launch(problem, operands, kernel=kernel, stream=stream, num_threads=num_threads, eps=eps)
+        launcher = _CALLS.launcher = Launcher(plan, None, None)
         if key is not None:
-            self._launches.put(key, Launcher(plan, None, None))
+            self._launches.put(key, launcher)
         return operands.out
 
     def workspace(self, nbytes: int, like, stream=None) -> int:

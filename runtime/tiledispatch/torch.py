@@ -1341,6 +1341,8 @@ def _layer_norm_run(x, normalized_shape, weight, bias, eps: float, handle: int) 
     w = None if weight is None else weight.reshape(cols)
     b = None if bias is None else bias.reshape(cols)
     _registry_for(handle, x).layer_norm(rows.view(-1, cols), w, b, out.view(-1, cols), eps=eps)
+    if rows is x and (w is None or w.data_ptr() == weight.data_ptr()) and (b is None or b.data_ptr() == bias.data_ptr()):
+        _mark_direct(_layer_norm_pointers)  # the kernel read the caller's tensors as they are: a call to remember
     return out
 
 
@@ -1707,6 +1709,10 @@ def _bwd_data_pointers(dy, w, dx, bias, residuals) -> tuple:  # conv_op.run's fo
     return (dx, w, dy)
 
 
+def _layer_norm_pointers(x, weight, out, bias, residuals) -> tuple:  # Registry.layer_norm's: x, weight, bias, out
+    return (x, weight, bias, out)
+
+
 def _bwd_weight_pointers(x, dy, dw, bias, residuals) -> tuple:  # conv_op.run's for bwd_weight: dW in W's slot
     return (x, dw, dy)
 
@@ -1978,13 +1984,24 @@ def layer_norm(x: torch.Tensor, normalized_shape, weight: Optional[torch.Tensor]
 
 
 def _layer_norm(x, normalized_shape, weight, bias, eps, handle: int) -> torch.Tensor:
+    key = None
+    if weight is not None and not _needs_grad(x, weight, bias):  # the eager fast path (x and weight its a and b)
+        try:
+            key, pointers = _fast_key(x, weight, bias, (), ("layer_norm", tuple(normalized_shape) if type(
+                normalized_shape) is not int else normalized_shape, eps, type(eps)))
+            out = None if key is None else _fast_call(handle, x, key, pointers)
+        except TypeError:  # an unhashable or non-iterable argument: the checks below say what is wrong
+            key = out = None
+        if out is not None:
+            return out
     shape = _normalized_shape(x, normalized_shape, weight, bias)
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise InvalidInputError(f"layer_norm: eps must be a real number, got {eps!r}")
     if _needs_grad(x, weight, bias) or (_any_autocast() and torch.is_autocast_enabled(x.device.type)):
         return F.layer_norm(x, shape, weight, bias, eps)
     if _eager(x, x if weight is None else weight, bias):
-        return _layer_norm_run(x, shape, weight, bias, float(eps), handle)
+        return _run_remembering(handle, x, key, _requires_grad(x, weight, bias), 0, _layer_norm_run, x, shape, weight,
+                                bias, float(eps), handle)
     return _layer_norm_op(x, list(shape), weight, bias, float(eps), handle)
 
 

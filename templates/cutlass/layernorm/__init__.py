@@ -28,9 +28,13 @@ def context(key) -> dict:
 
 def cost_factor(key) -> float:
     """A row kernel reuses nothing, so the tile-intensity efficiency the analytic ranker divides by is undone here:
-    its cost is the padded elements of its blocks in waves, the narrowest kernel that holds the row first; rows_loop
-    reads the row three times: x2, after a register kernel that holds the row."""
-    return backends.tile_efficiency(key) * (2.0 if key.algorithm.pipeline == "rows_loop" else 1.0)
+    its cost is the padded elements of its blocks in waves, the narrowest kernel that holds the row first. rows_loop
+    reads the row three times: x2, after a register kernel that holds the row. Accesses narrower than 16 bytes take
+    proportionally more instructions for the same bytes: x 16 / access bytes (the one-element kernels are the
+    fallback for rows not aligned to 16 bytes)."""
+    access = key.algorithm.mma[1] * common.dtype(key.signature.dtype_a).itemsize
+    return (backends.tile_efficiency(key) * (2.0 if key.algorithm.pipeline == "rows_loop" else 1.0)
+            * max(1.0, 16 / access))
 
 
 def gemm_view(problem, key) -> tuple[int, int, int, int]:
