@@ -153,3 +153,28 @@ def time_batch(fn, batch: int, repeats: int, warmup: int = 0) -> float:
         stop.synchronize()
         times.append(start.elapsed_time(stop) / batch)
     return statistics.median(times)
+
+
+def graph_us(fn, calls: int = 10, replays: int = 20, rounds: int = 7) -> float:
+    """Microseconds per call of fn, `calls` calls captured in one CUDA graph: the median over `rounds` rounds of
+    `replays` replays. Warm-up calls (compilation, a first selection) run on a side stream first, as capture needs."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(rounds):
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1e3 / (replays * calls))
+    return statistics.median(times)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from _gpu_common import TORCH_DTYPE, machine, time_batch, write_results  # noqa: E402
+from _gpu_common import TORCH_DTYPE, graph_us, machine, time_batch, write_results  # noqa: E402
 
 import tiledispatch as td  # noqa: E402
 import tiledispatch.torch as tdt  # noqa: E402
@@ -50,30 +49,6 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     if not torch.isfinite(out).all():
         return math.inf
     return float(torch.linalg.vector_norm(out - ref) / torch.linalg.vector_norm(ref))
-
-
-def graph_us(fn, calls: int = 10, replays: int = 20, rounds: int = 7) -> float:
-    """Microseconds per call: `calls` calls captured in one CUDA graph, the median of `rounds` rounds of replays."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the capture (compilation, first selection)
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(rounds):
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e3 / (replays * calls))
-    return statistics.median(times)
 
 
 def measure(shape: dict, reg, dtype: str, gen: torch.Generator) -> dict:

@@ -2,48 +2,27 @@
 tiledispatch call): F.max_pool2d on the channels-last tensor (the NHWC kernel), on a contiguous copy (the NCHW
 kernel; the copy not timed), max_pool3d on the channels-last memory viewed as [N, 1, H, W, C] (pooled over H and W,
 C a unit window), and maxima of strided slices of a -inf padded copy. Each is checked equal to F.max_pool2d and
-timed in a CUDA graph (20 calls per replay, median of 10 replays), beside the time of reading the input and
-writing the output once at 4 TB/s. Maps: ResNet-50's stem pool, GoogLeNet's and Inception's, a 2 x 2 pool and a
+timed in a CUDA graph (_gpu_common.graph_us: 20 calls per replay, median of 10 replays), beside the time of reading
+the input and writing the output once at 4 TB/s. Maps: ResNet-50's stem pool, GoogLeNet's and Inception's, a 2 x 2 pool and a
 stride-1 pool.
 
     python bench/benchmarks/pool_probe.py        # JSON to $OUT/pool_probe.json (or bench/results/pool_probe.json)
 """
 import json
 import os
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _gpu_common import graph_us  # noqa: E402
+
 torch.backends.cudnn.benchmark = True
 MAPS = (((32, 64, 112, 112), 3, 2, 1), ((32, 192, 56, 56), 3, 2, 1), ((32, 64, 56, 56), 3, 2, 1),
         ((32, 480, 28, 28), 3, 2, 1), ((32, 64, 112, 112), 2, 2, 0), ((32, 256, 56, 56), 3, 1, 1))
-
-
-def graph_us(fn, calls: int = 20, replays: int = 10) -> float:
-    """fn's time per call, captured calls times over in a CUDA graph: the median of the replays."""
-    for _ in range(10):
-        fn()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture stream, as capture needs
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def pool_3d_view(x, k, s, p):
@@ -75,10 +54,10 @@ def main() -> None:
         contiguous = x.contiguous()
         row = {"shape": shape, "k": k, "s": s, "p": p, "equal": torch.equal(view, ref) and torch.equal(sliced, ref),
                "out_channels_last": view.is_contiguous(memory_format=torch.channels_last),
-               "nhwc_us": graph_us(lambda: F.max_pool2d(x, k, s, p)),
-               "view3d_us": graph_us(lambda: pool_3d_view(x, k, s, p)),
-               "slices_us": graph_us(lambda: pool_slices(x, k, s, p)),
-               "nchw_contig_us": graph_us(lambda: F.max_pool2d(contiguous, k, s, p)),
+               "nhwc_us": graph_us(lambda: F.max_pool2d(x, k, s, p), 20, 1, 10),
+               "view3d_us": graph_us(lambda: pool_3d_view(x, k, s, p), 20, 1, 10),
+               "slices_us": graph_us(lambda: pool_slices(x, k, s, p), 20, 1, 10),
+               "nchw_contig_us": graph_us(lambda: F.max_pool2d(contiguous, k, s, p), 20, 1, 10),
                "min_bytes_us_at_4TBs": (x.numel() + ref.numel()) * 2 / 4e6}
         rows[f"{shape}k{k}s{s}p{p}"] = row
         print(row, flush=True)

@@ -116,7 +116,8 @@ def main(argv=None) -> int:
     path, text = a.out / "layernorm.json", generate.dump(suite)
     if a.check:
         same = path.exists() and path.read_text() == text
-        print(f"{path}: {'up to date' if same else 'DIFFERS from what the models give'} ({len(suite['shapes'])} shapes)")
+        state = "up to date" if same else "DIFFERS from what the models give"
+        print(f"{path}: {state} ({len(suite['shapes'])} shapes)")
         return int(not same)
     path.write_text(text)
     print(f"wrote {path}: {len(suite['shapes'])} shapes")

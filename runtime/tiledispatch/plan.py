@@ -388,6 +388,17 @@ class Launcher:
         self.plan.launch_pointers(ptrs if self.pick is None else self.pick(ptrs + (None,)))
 
 
+def replay(cache: "BoundedCache", key, launcher: Launcher, ptrs: tuple, alpha, beta) -> None:
+    """A public call's fast path: launch the remembered call on the new pointers (the thread's last launcher from
+    now on). Any failure (an overlap of the new pointers, say) forgets it, so the next call is checked in full."""
+    _CALLS.launcher = launcher
+    try:
+        launcher(ptrs, alpha, beta)
+    except BaseException:
+        cache.discard(key)
+        raise
+
+
 # The Launcher of the calling thread's last public call (the cached one it reused, or the one it prepared): the
 # torch layer keeps it under its own, cheaper key for calls whose tensors it passes on unchanged (torch.py, "the
 # eager fast path")

@@ -21,7 +21,7 @@ from .ops import conv as conv_op
 from .ops.conv import ConvProblem
 from .ops.gemm import GemmProblem, clamp_pair
 from .ops.layernorm import DEFAULT_EPS, LayerNormProblem
-from .plan import _CALLS, BoundedCache, Launcher, Plan, fingerprint, prints3, stream_now
+from .plan import _CALLS, BoundedCache, Launcher, Plan, fingerprint, prints3, replay, stream_now
 from .errors import BundleError, InvalidInputError, UnsupportedProblemError
 from .spec.key import KernelKey
 
@@ -446,12 +446,7 @@ class Registry:
             except Exception:  # an argument that cannot be fingerprinted or hashed: the full checks below say
                 key = launcher = None  # what is wrong with it
             if launcher is not None:
-                _CALLS.launcher = launcher
-                try:
-                    launcher(ptrs, alpha, beta)
-                except BaseException:  # e.g. an overlap of the new pointers: the next call checks everything
-                    self._launches.discard(key)
-                    raise
+                replay(self._launches, key, launcher, ptrs, alpha, beta)
                 return out
         from .ops import gemm as gemm_op
 
@@ -523,12 +518,7 @@ class Registry:
         except Exception:  # an argument that cannot be fingerprinted or hashed: the checks below say what is wrong
             key = launcher = None
         if launcher is not None:
-            _CALLS.launcher = launcher
-            try:
-                launcher(tuple(p[0] for p in prints), None, None)
-            except BaseException:  # e.g. an overlap of the new pointers: the next call checks everything
-                self._launches.discard(key)
-                raise
+            replay(self._launches, key, launcher, tuple(p[0] for p in prints), None, None)
             return out
         problem, operands = ln_op.operands(x, weight, bias, out)
         self._check_device(operands)

@@ -70,8 +70,8 @@ from .plan import _torch_print, last_launcher
 from .registry import NO_CLAMP, Registry
 from .spec.key import ACTIVATIONS, Epilogue
 
-__all__ = ["register", "registry_of", "linear", "matmul", "conv", "layer_norm", "patch", "unpatch", "PatchReport", "LayerReport",
-           "fuse", "FuseReport", "FusedLayer", "FusedConv", "FusedLinear"]
+__all__ = ["register", "registry_of", "linear", "matmul", "conv", "layer_norm", "patch", "unpatch", "PatchReport",
+           "LayerReport", "fuse", "FuseReport", "FusedLayer", "FusedConv", "FusedLinear"]
 
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "int8",
            torch.float64: "fp64"}  # fp64: a dtype tiledispatch knows, which a bundle may lack (a clear refusal)
@@ -1341,7 +1341,8 @@ def _layer_norm_run(x, normalized_shape, weight, bias, eps: float, handle: int) 
     w = None if weight is None else weight.reshape(cols)
     b = None if bias is None else bias.reshape(cols)
     _registry_for(handle, x).layer_norm(rows.view(-1, cols), w, b, out.view(-1, cols), eps=eps)
-    if rows is x and (w is None or w.data_ptr() == weight.data_ptr()) and (b is None or b.data_ptr() == bias.data_ptr()):
+    if rows is x and (w is None or w.data_ptr() == weight.data_ptr()) and (
+            b is None or b.data_ptr() == bias.data_ptr()):
         _mark_direct(_layer_norm_pointers)  # the kernel read the caller's tensors as they are: a call to remember
     return out
 
@@ -1365,8 +1366,8 @@ _SCHEMAS = {
                       _conv_bwd_data_fake),
     "conv_bwd_weight": (f"conv_bwd_weight(Tensor x, Tensor dy, SymInt[] filter_size, {_GEO}) -> Tensor",
                         _conv_bwd_weight_impl, _conv_bwd_weight_fake),
-    "layer_norm": ("layer_norm(Tensor x, int[] normalized_shape, Tensor? weight, Tensor? bias, float eps, int registry) "
-                   "-> Tensor", _layer_norm_impl, _layer_norm_fake),
+    "layer_norm": ("layer_norm(Tensor x, int[] normalized_shape, Tensor? weight, Tensor? bias, float eps, "
+                   "int registry) -> Tensor", _layer_norm_impl, _layer_norm_fake),
 }
 for _name, (_schema, _impl, _fake) in _SCHEMAS.items():
     _LIB.define(_schema)
@@ -2269,11 +2270,12 @@ def _missing(handle: int, module: nn.Module, kind: str, dtype: str, training: bo
 
 
 def patch(model: nn.Module, registry, *, example_inputs=None, autocast: Optional[torch.dtype] = None) -> PatchReport:
-    """Route the model's nn.Linear and nn.Conv1d/2d/3d layers through the bundle (their forward is replaced;
-    parameters, buffers and state_dict stay as they are) and report, per layer, the kernels chosen or why the
-    layer stays on PyTorch: only a dtype or op the bundle was not built for (for a layer whose parameters
-    require grad, the conv backward directions count). A patched layer never falls back at call time: a
-    problem the bundle cannot run raises UnsupportedProblemError.
+    """Route the model's nn.Linear and nn.Conv1d/2d/3d layers, and its nn.LayerNorm layers where the bundle has
+    layernorm kernels, through the bundle (their forward is replaced; parameters, buffers and state_dict stay as
+    they are) and report, per layer, the kernels chosen or why the layer stays on PyTorch: only a dtype or op the
+    bundle was not built for (for a layer whose parameters require grad, the conv backward directions count). A
+    patched layer never falls back at call time: a problem the bundle cannot run raises UnsupportedProblemError.
+    (A LayerNorm call that records a gradient or runs under autocast is torch's own, as layer_norm() says.)
 
     example_inputs: a tensor or tuple of tensors; the model is run once on them (under torch.no_grad) to record
     each patched layer's input and report the kernel selected for it per direction.
@@ -2287,6 +2289,8 @@ def patch(model: nn.Module, registry, *, example_inputs=None, autocast: Optional
             continue
         if hasattr(module, _PATCH_ATTR):
             _unpatch_module(module)
+        if kind == "LayerNorm" and not _CAPS[handle].layernorm:  # layer norms: only a bundle with the op reports them
+            continue
         weight = module.weight  # None: a LayerNorm without elementwise affine (it runs in its input's dtype)
         compute = autocast if autocast is not None and weight is not None and weight.dtype == torch.float32 else (
             None if weight is None else weight.dtype)

@@ -633,8 +633,9 @@ class _Pass:
     def layer_norm(self, gm: fx.GraphModule, node: fx.Node, prefix: str) -> bool:
         """A functional layer norm in the graph (a module whose forward calls F.layer_norm, such as torchvision's
         LayerNorm2d around a permute) as tiledispatch.torch.layer_norm, which takes the same arguments; nn.LayerNorm
-        modules are patch()'s. Where the bundle has no layernorm kernel of the weight's dtype it stays torch's."""
-        if not node.args or "input" in node.kwargs:
+        modules are patch()'s. Where the bundle has no layernorm kernel of the weight's dtype it stays torch's (reported
+        as kept; a bundle without the op leaves layer norms alone)."""
+        if not node.args or "input" in node.kwargs or not tdt._CAPS[self.handle].layernorm:
             return False
         weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
         if isinstance(weight, fx.Node) and weight.op == "get_attr":

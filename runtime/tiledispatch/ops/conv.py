@@ -30,7 +30,7 @@ from ..errors import InvalidInputError, UnsupportedProblemError
 from ..spec.dtypes import DTYPES, dtype
 from ..spec.key import ACTIVATIONS, CONV_LAYOUTS, DIRECTIONS, Epilogue, KernelKey
 from .gemm import _epi, check_size, clamp_pair, real_scalar
-from ..plan import _CALLS, Launcher, fingerprint, prints3, stream_now
+from ..plan import _CALLS, Launcher, fingerprint, prints3, replay, stream_now
 
 _thread_id = threading.get_ident
 
@@ -626,12 +626,7 @@ def run(registry, direction: str, x, w, y, written, options: dict, option_key=_D
         except Exception:  # an argument that cannot be fingerprinted or hashed: the full checks say what is wrong
             key = launcher = None
         if launcher is not None:
-            _CALLS.launcher = launcher
-            try:
-                launcher(ptrs, options.get("alpha", 1.0), beta)
-            except BaseException:  # e.g. an overlap of the new pointers: the next call checks everything again
-                registry._launches.discard(key)
-                raise
+            replay(registry._launches, key, launcher, ptrs, options.get("alpha", 1.0), beta)
             return written
     call = dict(_CALL_OPTIONS)
     geo = {}

@@ -151,7 +151,8 @@ def operands(x, weight=None, bias=None, out=None):
 def tensors_in_slot_order(tensors: dict) -> list:
     """The caller's objects in td_args slot order: x, weight, bias, out."""
     if not isinstance(tensors, dict):
-        raise InvalidInputError(f"layernorm tensors are a dict {{x, out, weight?, bias?}}, got {type(tensors).__name__}")
+        raise InvalidInputError(f"layernorm tensors are a dict {{x, out, weight?, bias?}}, got "
+                                f"{type(tensors).__name__}")
     return [tensors.get("x"), tensors.get("weight"), tensors.get("bias"), tensors.get("out")]
 
 
@@ -167,7 +168,8 @@ def slot_names(problem: LayerNormProblem, count: int) -> list[str]:
 def operands_for(problem: LayerNormProblem, tensors: dict) -> Operands:
     """Operands from a dict {x, out, weight?, bias?}, checked against the problem."""
     if not isinstance(tensors, dict):
-        raise InvalidInputError(f"layernorm tensors are a dict {{x, out, weight?, bias?}}, got {type(tensors).__name__}")
+        raise InvalidInputError(f"layernorm tensors are a dict {{x, out, weight?, bias?}}, got "
+                                f"{type(tensors).__name__}")
     unknown = set(tensors) - {"x", "out", "weight", "bias"}
     if unknown or not {"x", "out"} <= set(tensors):
         raise InvalidInputError(f"layernorm tensors are x, out and optionally weight, bias; got {sorted(tensors)}")
