@@ -504,3 +504,37 @@ def test_runner_autotune_tunes_each_point_on_its_first_call(smoke_bundle, tmp_pa
     rows = result["rows"]
     assert rows and all(r["status"] == "ok" for r in rows)
     assert len(set(recorded)) == len(rows)  # one problem tuned per point
+
+
+# -- the LayerNorm suite (bench/suites/layernorm_suite.py) ---------------------------------------------------------
+layernorm_suite = _module("suites_layernorm", REPO / "bench" / "suites" / "layernorm_suite.py")
+LAYERNORM = json.loads((REPO / "bench" / "suites" / "layernorm.json").read_text())
+
+
+def test_layernorm_record_model_sees_module_and_functional_layer_norms():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(8)
+
+        def forward(self, x):
+            return torch.nn.functional.layer_norm(self.norm(x).permute(0, 2, 1), (5,))
+
+    assert layernorm_suite.record_model(Net(), torch.randn(3, 5, 8)) == [(15, 8), (24, 5)]
+
+
+def test_layernorm_suite_is_what_the_generator_makes_of_its_records():
+    records: dict = {}
+    for s in LAYERNORM["shapes"]:
+        for model, count in s["uses"].items():
+            records.setdefault(model, []).extend([(s["rows"], s["cols"])] * count)
+    header = {k: v for k, v in LAYERNORM.items() if k != "shapes"}
+    assert layernorm_suite.build_suite(records, header) == LAYERNORM
+    assert generate.dump(LAYERNORM) == (REPO / "bench" / "suites" / "layernorm.json").read_text()
+    # what the models are known to run: ConvNeXt-T's 23 layer norms at batch 32 (its stem's and first stage's
+    # 100,352 rows of 96 channels: 1 + 3 blocks + the first downsample's), GPT-2's 25 per token count
+    uses = {(s["rows"], s["cols"]): s["uses"] for s in LAYERNORM["shapes"]}
+    assert uses[(100352, 96)]["convnext_tiny"] == 5
+    assert sum(u.get("convnext_tiny", 0) for u in uses.values()) == 23
+    assert all(uses[(t, 768)]["gpt2"] == 25 for t in LAYERNORM["tokens"])
+    assert {"convnext_tiny", "swin_t", "vit_b_16", "maxvit_t"} <= set(LAYERNORM["models"])

@@ -1,6 +1,6 @@
-"""cpu LayerNorm over rows (pipeline rows): OpenMP threads take tile m rows at a time; each row is read three times
-(mean, centered variance, the normalized store), its statistics in the accumulator type. tile [rows per task, 1, 1],
-mma [1, 1, 1]."""
+"""cpu LayerNorm over rows (pipeline rows): OpenMP threads take tile m rows at a time; each row is converted once
+into a per-thread buffer of the accumulator type and read from there three times (mean, centered variance, the
+normalized store). tile [rows per task, 1, 1], mma [1, 1, 1]."""
 from .. import common
 
 
