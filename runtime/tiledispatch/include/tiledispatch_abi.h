@@ -97,6 +97,18 @@
  *     params = {2, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0}
  *     scalars = {1.0, 0.0, 0.0, 0.0}
  *   ReLU6 (key ..._clampbias_...): num_tensors = 4, scalars = {1.0, 0.0, 0.0, 6.0}.
+ *
+ *   LayerNorm (op layernorm, layout rows): y[r, :] = (x[r, :] - mean) / sqrt(var + eps) * weight + bias, the
+ *   variance biased; num_tensors = 4; dtypes: x dtype_a, weight and bias dtype_b, y dtype_c.
+ *     slot  name    shape         data
+ *     0     x       [rows, cols]  any row stride, unit column stride
+ *     1     weight  [cols]        contiguous; NULL: 1
+ *     2     bias    [cols]        contiguous; NULL: 0
+ *     3     y       [rows, cols]  OUTPUT, like x; may be x itself (the same pointer and strides)
+ *   scalars: 0 eps (>= 0). The shared check: tiledispatch_layernorm.h.
+ *   Example, ConvNeXt-T's first stage, fp16, 100,352 rows of 96 channels: tensors[0] x TD_FP16 rank 2 shape
+ *     {100352, 96} stride {96, 1}; tensors[1] weight and tensors[2] bias TD_FP16 rank 1 shape {96} stride {1};
+ *     tensors[3] y like x; scalars = {1e-6}.
  */
 #ifndef TILEDISPATCH_ABI_H
 #define TILEDISPATCH_ABI_H
