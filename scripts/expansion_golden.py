@@ -33,6 +33,7 @@ from tiledispatch.spec.key import KernelKey  # noqa: E402
 from tiledispatch.ops.conv import ConvProblem  # noqa: E402
 from tiledispatch.ops.gemm import GemmProblem  # noqa: E402
 from tiledispatch.ops.layernorm import LayerNormProblem  # noqa: E402
+from tiledispatch.ops.maxpool import problem_of as maxpool_problem  # noqa: E402
 
 GOLDEN = REPO / "tests" / "data" / "expansion_golden.json"
 HEADER = ("Pre-restructuring record (issue #16), written by scripts/expansion_golden.py before the generator/runtime "
@@ -43,6 +44,9 @@ MANIFEST_SET = "fp16_rcr_essential"
 CPU_ARCHS = ("generic", "x86v3", "x86v4")
 
 LAYERNORM_SHAPES = ((100352, 96), (1568, 768), (4096, 4096), (7, 1000))
+# (n, c, in_size, window, stride, padding): ResNet's stem pool, a 2 x 2 pool, 1D and 3D
+MAXPOOL_SHAPES = ((32, 64, (112, 112), 3, 2, 1), (8, 24, (7, 9), 2, 2, 0), (4, 3, (100,), 3, 1, 1),
+                  (2, 16, (8, 16, 16), 2, 2, 0))
 GEMM_SHAPES = ((1000, 512, 256, 1), (4096, 4096, 4096, 1), (7, 4096, 4096, 1), (128, 128, 128, 8), (3000, 50, 9000, 1))
 # (n, g, c, k, in_size, filter, stride, dilation, pad) in 2D; 1D / 3D keep the last one / add a depth
 CONV_SHAPES = ((8, 1, 64, 64, (56, 56), (3, 3), 1, 1, 1), (2, 1, 128, 256, (28, 28), (3, 3), 2, 1, 1),
@@ -78,6 +82,9 @@ def problems(key: KernelKey) -> list:
                 for m, n, k, batch in GEMM_SHAPES]
     if sig.op == "layernorm":
         return [LayerNormProblem(rows, cols, sig.dtype_a, sig.dtype_b, sig.dtype_c) for rows, cols in LAYERNORM_SHAPES]
+    if sig.op == "maxpool":
+        return [maxpool_problem(n, c, size, sig.dtype_a, window, stride, padding)
+                for n, c, size, window, stride, padding in MAXPOOL_SHAPES]
     out = []
     for n, g, c, k, size, filt, s, d, p in CONV_SHAPES:
         rank = sig.spatial_dims

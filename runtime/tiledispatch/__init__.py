@@ -4,6 +4,7 @@
     reg = td.load("build/fp16_rcr_essential")
     d = reg.gemm(a, b)                      # numpy (cpu backend), torch or cupy arrays
     y = reg.layer_norm(x, weight, bias)     # with a layernorm set (layernorm_essential)
+    y = reg.max_pool(x, 3, 2, 1)            # channels-last [N, H, W, C], with pool_essential
 
     reg = td.build(["fp16_rcr_essential"])  # the same build from Python (needs the `build` extra)
 """
@@ -12,6 +13,7 @@ from .errors import (BundleError, InvalidInputError, KernelRuntimeError, SpecErr
 from .ops.conv import ConvProblem  # noqa: F401
 from .ops.gemm import GemmProblem  # noqa: F401
 from .ops.layernorm import LayerNormProblem  # noqa: F401
+from .ops.maxpool import MaxPoolProblem  # noqa: F401
 from .loader import load  # noqa: F401
 from .registry import Kernel, Registry  # noqa: F401
 from .spec.key import Algorithm, Epilogue, KernelKey, Signature, kernel_name, parse_kernel_name  # noqa: F401

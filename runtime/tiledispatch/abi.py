@@ -19,6 +19,7 @@ MAX_SCALARS = 4
 MAX_PARAMS = 16
 # grouped convolution params slots (TD_CONV_* of tiledispatch_abi.h): [CONV_RANK], then per spatial dim d
 CONV_RANK, CONV_STRIDE, CONV_DILATION, CONV_PAD_LO, CONV_PAD_HI = 0, 1, 4, 7, 10
+POOL_WINDOW = 13  # max pooling: the conv slots for rank, stride, dilation and low padding, and its window per dim
 
 OK, UNSUPPORTED, INVALID_ARGUMENT, RUNTIME_ERROR = 0, 1, 2, 3
 INCLUDE_DIR = Path(__file__).with_name("include")

@@ -182,3 +182,20 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5) -> np.ndarray:
     if bias is not None:
         out = out + _f64(bias)
     return out
+
+
+def max_pool(x, window, stride, dilation, padding, out_size) -> np.ndarray:
+    """Max pooling of channels-last x [N, spatial..., C] in float64: taps outside the input count as -inf, a NaN
+    in a window gives NaN (as torch's); geometry per spatial dim, outermost first, out_size as given."""
+    x = _f64(x)
+    if len(window) != x.ndim - 2:
+        raise ValueError(f"x has {x.ndim - 2} spatial dims, the window {len(window)}")
+    hi = [max(0, (o - 1) * s + (k - 1) * d - (n - 1) - p)
+          for o, s, k, d, n, p in zip(out_size, stride, window, dilation, x.shape[1:-1], padding)]
+    padded = np.pad(x, [(0, 0), *zip(padding, hi), (0, 0)], constant_values=-np.inf)
+    out = np.full((x.shape[0], *out_size, x.shape[-1]), -np.inf)
+    for taps in product(*(range(k) for k in window)):
+        index = tuple(slice(t * d, t * d + (o - 1) * s + 1, s)
+                      for t, d, o, s in zip(taps, dilation, out_size, stride))
+        out = np.maximum(out, padded[(slice(None), *index)])
+    return out

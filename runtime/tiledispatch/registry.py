@@ -21,6 +21,7 @@ from .ops import conv as conv_op
 from .ops.conv import ConvProblem
 from .ops.gemm import GemmProblem, clamp_pair
 from .ops.layernorm import DEFAULT_EPS, LayerNormProblem
+from .ops.maxpool import MaxPoolProblem
 from .plan import _CALLS, BoundedCache, Launcher, Plan, fingerprint, prints3, replay, stream_now
 from .errors import BundleError, InvalidInputError, UnsupportedProblemError
 from .spec.key import KernelKey
@@ -382,9 +383,9 @@ class Registry:
             num_threads: int = 0, **scalars) -> Kernel:
         """Launch one kernel once; operands is the op module's Operands or a dict of arrays (for GEMM:
         a, b, out, and optionally c, bias, residuals). Returns the kernel used."""
-        if not isinstance(problem, (GemmProblem, ConvProblem, LayerNormProblem)):
-            raise InvalidInputError(f"problem must be a GemmProblem, ConvProblem or LayerNormProblem, got "
-                                    f"{type(problem).__name__}")
+        if not isinstance(problem, (GemmProblem, ConvProblem, LayerNormProblem, MaxPoolProblem)):
+            raise InvalidInputError(f"problem must be a GemmProblem, ConvProblem, LayerNormProblem or MaxPoolProblem, "
+                                    f"got {type(problem).__name__}")
         ops = ops_get(problem.op)
         if isinstance(operands, dict):
             operands = ops.operands_for(problem, operands)
@@ -523,6 +524,36 @@ class Registry:
         problem, operands = ln_op.operands(x, weight, bias, out)
         self._check_device(operands)
         plan = self._launch(problem, operands, kernel=kernel, stream=stream, num_threads=num_threads, eps=eps)
+        launcher = _CALLS.launcher = Launcher(plan, None, None)
+        if key is not None:
+            self._launches.put(key, launcher)
+        return operands.out
+
+    def max_pool(self, x, window, stride=None, padding=0, dilation=1, *, ceil_mode: bool = False, out=None,
+                 kernel=None, stream=None, num_threads: int = 0):
+        """Max pooling of a channels-last map x [N, spatial..., C] (1 to 3 spatial dims), as torch's
+        F.max_pool1d/2d/3d on the same data (window, stride (default: the window), padding, dilation: an int or
+        one per dim; ceil_mode); returns out [N, out_spatial..., C] (allocated if None). Repeated calls whose
+        arrays and options match an earlier call's reuse its prepared launch."""
+        from .ops import maxpool as pool_op
+
+        key = launcher = None
+        try:  # the fast path, as gemm()'s
+            prints = (fingerprint(x), fingerprint(out))
+            if out is not None:
+                key = ("maxpool", _thread_id(), repr((window, stride, padding, dilation, ceil_mode)),
+                       kernel if kernel is None or type(kernel) is str else kernel.name, stream, type(stream),
+                       num_threads, type(num_threads), stream_now(x) if stream is None and self.device != "cpu" else
+                       None, prints[0][1], prints[1][1])
+                launcher = self._launches.get(key)
+        except Exception:  # an argument that cannot be fingerprinted or hashed: the checks below say what is wrong
+            key = launcher = None
+        if launcher is not None:
+            replay(self._launches, key, launcher, (prints[0][0], prints[1][0]), None, None)
+            return out
+        problem, operands = pool_op.operands(x, window, stride, padding, dilation, ceil_mode, out)
+        self._check_device(operands)
+        plan = self._launch(problem, operands, kernel=kernel, stream=stream, num_threads=num_threads)
         launcher = _CALLS.launcher = Launcher(plan, None, None)
         if key is not None:
             self._launches.put(key, launcher)

@@ -15,6 +15,7 @@ an operator takes no Python objects):
     conv_bwd_data(dy, w, in_size, stride, dilation, pad_lo, pad_hi, groups, registry)
     conv_bwd_weight(x, dy, filter_size, stride, dilation, pad_lo, pad_hi, groups, registry)
     layer_norm(x, normalized_shape, weight, bias, eps, registry)        F.layer_norm's forward
+    max_pool(x, kernel_size, stride, padding, dilation, ceil_mode, registry)  F.max_pool1d/2d/3d's forward
 They are not differentiable themselves: linear(), matmul() and conv() are, recording their calls in the
 autograd graph (eagerly by the native module's C++ node, else by autograd Functions) with forward and backward
 functions that call them, so torch.compile(fullgraph=True) traces both through the fake implementations.
@@ -63,6 +64,7 @@ from . import native, selection
 from .errors import InvalidInputError, UnsupportedProblemError
 from .ops import conv as conv_op
 from .ops import conv_as_gemm
+from .ops import maxpool as pool_op
 from .ops.conv import ConvProblem
 from .ops.gemm import GemmProblem, check_size
 from .ops.layernorm import LayerNormProblem
@@ -70,7 +72,8 @@ from .plan import _torch_print, last_launcher
 from .registry import NO_CLAMP, Registry
 from .spec.key import ACTIVATIONS, Epilogue
 
-__all__ = ["register", "registry_of", "linear", "matmul", "conv", "layer_norm", "patch", "unpatch", "PatchReport",
+__all__ = ["register", "registry_of", "linear", "matmul", "conv", "layer_norm", "max_pool", "patch", "unpatch",
+           "PatchReport",
            "LayerReport", "fuse", "FuseReport", "FusedLayer", "FusedConv", "FusedLinear"]
 
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "int8",
@@ -86,6 +89,7 @@ class _Capabilities:
     conv: frozenset  # (direction, spatial_dims, dtype)
     conv_epilogues: frozenset  # (spatial_dims, dtype, activation, bias, residuals) of fwd kernels fusing one
     layernorm: frozenset  # dtypes of x (weight and bias in the same dtype)
+    maxpool: frozenset  # dtypes
 
 
 _REGISTRIES: list[Registry] = []
@@ -106,7 +110,7 @@ def register(registry: Union[Registry, int]) -> int:
     if not isinstance(registry, Registry):
         raise InvalidInputError(f"registry must be a tiledispatch Registry (td.load) or a handle, got "
                                 f"{type(registry).__name__}")
-    gemm, convs, conv_epilogues, layernorm = set(), set(), set(), set()
+    gemm, convs, conv_epilogues, layernorm, maxpool = set(), set(), set(), set(), set()
     for k in registry.kernels:
         sig = k.key.signature
         e = sig.epilogue
@@ -119,8 +123,11 @@ def register(registry: Union[Registry, int]) -> int:
                 conv_epilogues.add((sig.spatial_dims, sig.dtype_a, e.activation, e.bias, e.residuals))
         elif sig.op == "layernorm" and sig.dtype_b == sig.dtype_a:
             layernorm.add(sig.dtype_a)
+        elif sig.op == "maxpool":
+            maxpool.add(sig.dtype_a)
     _REGISTRIES.append(registry)  # kept alive, so its id is never reused for another object
-    _CAPS.append(_Capabilities(frozenset(gemm), frozenset(convs), frozenset(conv_epilogues), frozenset(layernorm)))
+    _CAPS.append(_Capabilities(frozenset(gemm), frozenset(convs), frozenset(conv_epilogues), frozenset(layernorm),
+                               frozenset(maxpool)))
     _HANDLES[id(registry)] = len(_REGISTRIES) - 1
     return len(_REGISTRIES) - 1
 
@@ -1355,6 +1362,38 @@ def _layer_norm_fake(x, normalized_shape, weight, bias, eps, registry):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
+# -- max pooling ---------------------------------------------------------------------------------------------
+def _pool_shape(x_shape, kernel_size, stride, padding, dilation, ceil_mode: bool) -> tuple:
+    """The output shape [N, C, out...] of F.max_poolNd (geometry lists already one value per spatial dim)."""
+    rank = len(x_shape) - 2
+    out = pool_op.geometry(rank, tuple(x_shape[2:]), tuple(kernel_size), tuple(stride), tuple(padding),
+                           tuple(dilation), ceil_mode)["out_size"]
+    return (x_shape[0], x_shape[1], *out)
+
+
+def _max_pool_run(x, kernel_size, stride, padding, dilation, ceil_mode: bool, handle: int) -> torch.Tensor:
+    """F.max_poolNd's forward on the bundle's maxpool kernels: x [N, C, spatial...] read channels-last (copied
+    where its memory is not), the output channels-last."""
+    shape = _pool_shape(x.shape, kernel_size, stride, padding, dilation, ceil_mode)
+    xc = _channels_last(x)
+    y = _new_channels_last(shape, x)
+    if y.numel() == 0:
+        return y
+    _registry_for(handle, x).max_pool(xc.movedim(1, -1), kernel_size, stride, padding, dilation,
+                                      ceil_mode=ceil_mode, out=y.movedim(1, -1))
+    if xc is x:
+        _mark_direct(_pool_pointers)  # the kernel read the caller's tensor as it is: a call to remember
+    return y
+
+
+def _max_pool_impl(x, kernel_size, stride, padding, dilation, ceil_mode, registry):
+    return _max_pool_run(x, list(kernel_size), list(stride), list(padding), list(dilation), ceil_mode, registry)
+
+
+def _max_pool_fake(x, kernel_size, stride, padding, dilation, ceil_mode, registry):
+    return _empty_channels_last(_pool_shape(x.shape, kernel_size, stride, padding, dilation, ceil_mode), x)
+
+
 _GEO = "int[] stride, int[] dilation, int[] pad_lo, int[] pad_hi, int groups, int registry"
 _LIB = torch.library.Library("tiledispatch", "DEF")
 _SCHEMAS = {
@@ -1368,6 +1407,8 @@ _SCHEMAS = {
                         _conv_bwd_weight_impl, _conv_bwd_weight_fake),
     "layer_norm": ("layer_norm(Tensor x, int[] normalized_shape, Tensor? weight, Tensor? bias, float eps, "
                    "int registry) -> Tensor", _layer_norm_impl, _layer_norm_fake),
+    "max_pool": ("max_pool(Tensor x, int[] kernel_size, int[] stride, int[] padding, int[] dilation, bool ceil_mode, "
+                 "int registry) -> Tensor", _max_pool_impl, _max_pool_fake),
 }
 for _name, (_schema, _impl, _fake) in _SCHEMAS.items():
     _LIB.define(_schema)
@@ -1381,6 +1422,7 @@ _conv_fwd_op = _ops.conv_fwd.default
 _conv_bwd_data_op = _ops.conv_bwd_data.default
 _conv_bwd_weight_op = _ops.conv_bwd_weight.default
 _layer_norm_op = _ops.layer_norm.default
+_max_pool_op = _ops.max_pool.default
 
 
 # -- eager calls -------------------------------------------------------------------------------------------
@@ -1714,6 +1756,10 @@ def _layer_norm_pointers(x, weight, out, bias, residuals) -> tuple:  # Registry.
     return (x, weight, bias, out)
 
 
+def _pool_pointers(x, x_again, out, bias, residuals) -> tuple:  # Registry.max_pool's: x, out (x is the call's a and b)
+    return (x, out)
+
+
 def _bwd_weight_pointers(x, dy, dw, bias, residuals) -> tuple:  # conv_op.run's for bwd_weight: dW in W's slot
     return (x, dw, dy)
 
@@ -2006,6 +2052,46 @@ def _layer_norm(x, normalized_shape, weight, bias, eps, handle: int) -> torch.Te
     return _layer_norm_op(x, list(shape), weight, bias, float(eps), handle)
 
 
+def max_pool(x: torch.Tensor, kernel_size, stride=None, padding=0, dilation=1, ceil_mode: bool = False, *,
+             registry) -> torch.Tensor:
+    """F.max_pool1d / 2d / 3d (by the rank of x: [N, C, W], [N, C, H, W], [N, C, D, H, W]) on the bundle, the same
+    arguments (stride defaults to kernel_size; return_indices is torch's alone). x is read channels-last (copied
+    where its memory is not) and the output is channels-last. The kernels are forward only: a call that records a
+    gradient is torch's own F.max_poolNd."""
+    return _max_pool(x, kernel_size, stride, padding, dilation, ceil_mode, register(registry))
+
+
+_TORCH_POOLS = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+
+
+def _max_pool(x, kernel_size, stride, padding, dilation, ceil_mode, handle: int) -> torch.Tensor:
+    options = ("max_pool", repr((kernel_size, stride, padding, dilation, ceil_mode)))
+    if not _needs_grad(x):  # the eager fast path (x as the call's a and b)
+        key, pointers = _fast_key(x, x, None, (), options) if type(x) in _PLAIN else (None, None)
+        out = None if key is None else _fast_call(handle, x, key, pointers)
+        if out is not None:
+            return out
+    else:
+        key = None
+    if not isinstance(x, torch.Tensor) or not 3 <= x.dim() <= 5:
+        raise InvalidInputError(f"max_pool: x must be a tensor [N, C, spatial...] with 1 to 3 spatial dims, got "
+                                f"{list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    rank = x.dim() - 2
+    kernel_size = _per_dim("kernel_size", kernel_size, rank, "max_pool")
+    stride = kernel_size if stride is None or (isinstance(stride, (list, tuple)) and not stride) else _per_dim(
+        "stride", stride, rank, "max_pool")  # torch's default: the window (None or an empty list)
+    padding, dilation = _per_dim("padding", padding, rank, "max_pool"), _per_dim("dilation", dilation, rank, "max_pool")
+    if not isinstance(ceil_mode, bool):
+        raise InvalidInputError(f"max_pool: ceil_mode must be True or False, got {ceil_mode!r}")
+    _pool_shape(x.shape, kernel_size, stride, padding, dilation, ceil_mode)  # the geometry's checks, before any call
+    if _needs_grad(x):
+        return _TORCH_POOLS[rank](x, kernel_size, stride, padding, dilation, ceil_mode=ceil_mode)
+    if _eager(x, x):
+        return _run_remembering(handle, x, key, False, 0, _max_pool_run, x, kernel_size, stride, padding, dilation,
+                                ceil_mode, handle)
+    return _max_pool_op(x, kernel_size, stride, padding, dilation, ceil_mode, handle)
+
+
 def _normalized_shape(x, normalized_shape, weight, bias) -> tuple:
     """normalized_shape as a tuple of ints, checked against x's trailing dims and the shapes of weight and bias."""
     if not isinstance(x, torch.Tensor):
@@ -2028,7 +2114,7 @@ def _normalized_shape(x, normalized_shape, weight, bias) -> tuple:
     return shape
 
 
-def _per_dim(name: str, value, rank: int) -> list:
+def _per_dim(name: str, value, rank: int, op: str = "conv") -> list:
     """rank plain ints from an int or a sequence of ints (numpy integers accepted, bools refused)."""
     if type(value) is int:
         return [value] * rank
@@ -2038,7 +2124,7 @@ def _per_dim(name: str, value, rank: int) -> list:
     except TypeError:
         values = None
     if values is None or len(values) != rank:
-        raise InvalidInputError(f"conv {name} must be an int or {rank} ints, got {value!r}")
+        raise InvalidInputError(f"{op} {name} must be an int or {rank} ints, got {value!r}")
     return values
 
 
@@ -2187,8 +2273,13 @@ class PatchReport:
 
 
 _CONV_TYPES = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
+_POOL_TYPES = {nn.MaxPool1d: 1, nn.MaxPool2d: 2, nn.MaxPool3d: 3}
 _BASE_FORWARD = {"Linear": nn.Linear.forward, "LayerNorm": nn.LayerNorm.forward,
-                 **{f"Conv{rank}d": cls.forward for cls, rank in _CONV_TYPES.items()}}
+                 **{f"Conv{rank}d": cls.forward for cls, rank in _CONV_TYPES.items()},
+                 **{f"MaxPool{rank}d": cls.forward for cls, rank in _POOL_TYPES.items()}}
+_FORWARD_ONLY = {"LayerNorm": "forward only: a call that records a gradient or runs under torch.autocast is torch's "
+                              "F.layer_norm",
+                 "MaxPool": "forward only: a call that records a gradient is torch's F.max_pool"}
 _PATCH_ATTR = "_tiledispatch_patch"
 _ANY_DTYPE = "input's"  # the dtype patch() reports for a LayerNorm without parameters
 
@@ -2198,6 +2289,9 @@ def _layer_kind(module: nn.Module) -> Optional[str]:
         return "Linear"
     if isinstance(module, nn.LayerNorm):
         return "LayerNorm"
+    for cls, rank in _POOL_TYPES.items():
+        if isinstance(module, cls):
+            return f"MaxPool{rank}d"
     for cls, rank in _CONV_TYPES.items():
         if isinstance(module, cls):
             return f"Conv{rank}d"
@@ -2226,6 +2320,11 @@ def _patched_layer_norm_forward(self, x):
                        getattr(self, _PATCH_ATTR)["handle"])
 
 
+def _patched_max_pool_forward(self, x):
+    return _max_pool(x, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode,
+                     getattr(self, _PATCH_ATTR)["handle"])
+
+
 def _patched_conv_forward(self, x):
     state = getattr(self, _PATCH_ATTR)
     if self.padding_mode != "zeros":  # reflect / replicate / circular: padded by torch, as nn.Conv does
@@ -2252,9 +2351,12 @@ def _patched_conv_forward(self, x):
 def _missing(handle: int, module: nn.Module, kind: str, dtype: str, training: bool) -> Optional[str]:
     """Why the bundle cannot run this layer's op and dtype, or None."""
     caps = _CAPS[handle]
-    if kind == "LayerNorm":
-        if not (caps.layernorm if dtype == _ANY_DTYPE else dtype in caps.layernorm):
-            return f"the bundle has no {'' if dtype == _ANY_DTYPE else dtype + ' '}layernorm kernels"
+    if kind == "LayerNorm" or kind.startswith("MaxPool"):
+        op, dtypes = ("layernorm", caps.layernorm) if kind == "LayerNorm" else ("maxpool", caps.maxpool)
+        if not (dtypes if dtype == _ANY_DTYPE else dtype in dtypes):
+            return f"the bundle has no {'' if dtype == _ANY_DTYPE else dtype + ' '}{op} kernels"
+        if kind.startswith("MaxPool") and module is not None and module.return_indices:
+            return "return_indices: the kernels compute the maxima alone"
         return None
     if kind == "Linear":
         if not any(c[0] == dtype and c[2] == "identity" and c[1][2] == "r" for c in caps.gemm):
@@ -2289,9 +2391,10 @@ def patch(model: nn.Module, registry, *, example_inputs=None, autocast: Optional
             continue
         if hasattr(module, _PATCH_ATTR):
             _unpatch_module(module)
-        if kind == "LayerNorm" and not _CAPS[handle].layernorm:  # layer norms: only a bundle with the op reports them
-            continue
-        weight = module.weight  # None: a LayerNorm without elementwise affine (it runs in its input's dtype)
+        if (kind == "LayerNorm" and not _CAPS[handle].layernorm) or (kind.startswith("MaxPool")
+                                                                    and not _CAPS[handle].maxpool):
+            continue  # layer norms and pooling: only a bundle with the op reports them
+        weight = getattr(module, "weight", None)  # None: a LayerNorm without affine, a pool (the input's dtype)
         compute = autocast if autocast is not None and weight is not None and weight.dtype == torch.float32 else (
             None if weight is None else weight.dtype)
         dtype = _ANY_DTYPE if compute is None else _DTYPES.get(compute, str(compute).replace("torch.", ""))
@@ -2305,7 +2408,7 @@ def patch(model: nn.Module, registry, *, example_inputs=None, autocast: Optional
             layers.append(LayerReport(name, kind, dtype, "pytorch", reason))
             continue
         report = LayerReport(name, kind, dtype, "tiledispatch", notes=_static_notes(handle, module, kind, dtype))
-        if weight is not None and compute != weight.dtype and kind != "LayerNorm":
+        if weight is not None and compute != weight.dtype and kind not in _FORWARD_ONLY:
             report.notes.append(f"fp32 parameters, computed in {dtype} under torch.autocast")
         state = {"handle": handle, "report": report, "dtype": dtype}
         if kind.startswith("Conv"):
@@ -2313,7 +2416,7 @@ def patch(model: nn.Module, registry, *, example_inputs=None, autocast: Optional
             state["geometry"] = None, None  # made on the first call (_patched_conv_forward)
         setattr(module, _PATCH_ATTR, state)
         forward = {"Linear": _patched_linear_forward, "LayerNorm": _patched_layer_norm_forward}.get(
-            kind, _patched_conv_forward)
+            kind, _patched_max_pool_forward if kind.startswith("MaxPool") else _patched_conv_forward)
         module.forward = types.MethodType(forward, module)
         layers.append(report)
     result = PatchReport(layers)
@@ -2337,8 +2440,9 @@ def _unpatch_module(module: nn.Module) -> None:
 
 def _static_notes(handle: int, module: nn.Module, kind: str, dtype: str) -> list:
     notes = []
-    if kind == "LayerNorm":
-        return ["forward only: a call that records a gradient or runs under torch.autocast is torch's F.layer_norm"]
+    if kind.rstrip("123d") in _FORWARD_ONLY:
+        return [_FORWARD_ONLY[kind.rstrip("123d")]] + (
+            [] if kind == "LayerNorm" else ["an input whose memory is not channels-last is copied on every call"])
     if kind == "Linear":
         if module.bias is not None:
             try:
@@ -2384,12 +2488,26 @@ def _record_kernels(model: nn.Module, handle: int, example_inputs, autocast: Opt
             dtype = _DTYPES.get(x.dtype, str(x.dtype))
             report.kernels["fwd"] = _select_name(handle, LayerNormProblem(max(1, x.numel() // cols), cols, dtype,
                                                                           dtype, dtype))
+        elif report.kind.startswith("MaxPool"):
+            report.kernels["fwd"] = _pool_kernel_name(handle, module, x)
         else:
             if module.padding_mode != "zeros":
                 x = F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode)
             if not _is_channels_last(x):
                 report.notes.append("input converted to channels-last on every call (its memory is not channels-last)")
             report.kernels.update(_conv_kernels(handle, module, state, x, training))
+
+
+def _pool_kernel_name(handle: int, module: nn.Module, x: torch.Tensor) -> str:
+    try:
+        rank = x.dim() - 2
+        geo = [_per_dim(name, getattr(module, name), rank, "max_pool")
+               for name in ("kernel_size", "stride", "padding", "dilation")]
+        problem = pool_op.problem_of(x.shape[0], x.shape[1], tuple(x.shape[2:]), _dtype_name(x, "x"), *geo,
+                                     module.ceil_mode)
+    except InvalidInputError as e:
+        return f"NO KERNEL: {e}"
+    return _select_name(handle, problem)
 
 
 def _select_name(handle: int, problem) -> str:

@@ -157,3 +157,18 @@ def layernorm_case(p, rng, eps: float = 1e-5, affine: bool = True) -> tuple[dict
             "bias": random_array(rng, (p.cols,), p.dtype_w) if affine else None,
             "out": poison(np.empty((p.rows, p.cols), dtype=numpy_dtype(p.dtype_y)))}
     return data, reference.layer_norm(data["x"], data["weight"], data["bias"], eps)
+
+
+def maxpool_case(p, rng, nan: bool = False) -> tuple[dict, np.ndarray]:
+    """Random x for a MaxPoolProblem in its own rank ([N, spatial..., C]), a poisoned out, and the float64 reference
+    (with nan: a few NaN inputs, which must come out as NaN where a window holds one)."""
+    from . import reference
+
+    dims = slice(3 - p.rank, 3)
+    x = random_array(rng, (p.n, *p.in_size[dims], p.c), p.dtype, 4.0)
+    if nan and dtype(p.dtype).kind == "float":
+        x.reshape(-1)[rng.integers(0, x.size, size=max(1, x.size // 500))] = np.nan
+    out = poison(np.empty((p.n, *p.out_size[dims], p.c), dtype=numpy_dtype(p.dtype)))
+    expect = reference.max_pool(x, p.window[dims], p.stride[dims], p.dilation[dims], p.padding[dims],
+                                p.out_size[dims])
+    return {"x": x, "out": out}, expect

@@ -6,6 +6,7 @@ What the generic key fields mean here:
   pipeline  packed: A and B packed into contiguous panels before the micro-kernel runs (GEMM, conv);
             direct: conv only, the channels of all groups as the vector lanes
             rows: layernorm only, rows split over threads (tile m rows at a time)
+            window: maxpool only, output pixels split over threads (tile m at a time), channels as the lanes
 Fields the backend has no use for are fixed (rules.yaml); a kernel set that sets them otherwise is refused.
 """
 from tiledispatch.backends import register
@@ -24,7 +25,7 @@ BACKEND = register(
                   "cpu_flags": ["avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512dq", "avx512vl",
                                 "avx512cd"]},
     },
-    pipeline=["packed", "direct", "rows"],
+    pipeline=["packed", "direct", "rows", "window"],
     scheduler=["default"],
     extras={},
     tolerance={"fp32": 1.0e-5, "fp16": 2.0e-3, "bf16": 1.0e-2, "int32": 1.0e-6},

@@ -13,7 +13,8 @@ What the generic key fields mean here (each family's module says more about its 
              mma.sync 16x8x16 (16-bit), 16x8x8 (tf32), 16x8x32 (int8).
   pipeline   sm90a GEMM: tma_ws_cooperative | tma_ws_pingpong (TMA loads, warp-specialized producer and
              consumers, TMA epilogue); sm80 GEMM: multistage (cp.async software pipeline); conv: direct,
-             direct_mma, implicit_gemm, tma_ws_conv; layernorm: rows, rows_loop (layernorm/__init__.py).
+             direct_mma, implicit_gemm, tma_ws_conv; layernorm: rows, rows_loop (layernorm/__init__.py);
+             maxpool: window (maxpool/__init__.py).
   scheduler  sm90a: persistent (persistent tile scheduler) | stream_k (stream-K; with split_k > 1 a fixed split-K
              through the same scheduler); sm80 and conv: data_parallel (one CTA per tile). Raster order and swizzle
              are run-time parameters (ABI params[0], params[1]), not fields.
@@ -42,7 +43,7 @@ BACKEND = register(
                  "sm_smem_bytes": 167936, "compute_units": 108},
     },
     pipeline=["tma_ws_cooperative", "tma_ws_pingpong", "multistage", "direct", "direct_mma", "implicit_gemm",
-              "tma_ws_conv", "rows", "rows_loop"],
+              "tma_ws_conv", "rows", "rows_loop", "window"],
     scheduler=["persistent", "stream_k", "data_parallel"],
     # extra key fields (cutlass.<name>); what each means: the module of the family that reads it
     extras={

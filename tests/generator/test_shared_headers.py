@@ -31,9 +31,10 @@ def test_templates_define_no_shared_helper_and_read_no_conv_offset():
 
 def test_every_family_includes_the_shared_header():
     seen = set()
-    for backend, arch, sets in (("cpu", "x86v4", ("fp32_rcr_essential", "conv_fp16_all_essential", "layernorm_essential")),
+    for backend, arch, sets in (("cpu", "x86v4", ("fp32_rcr_essential", "conv_fp16_all_essential", "layernorm_essential",
+                                                  "pool_essential")),
                                 ("cutlass", "sm90a", ("fp16_rcr_essential", "conv_fp16_all_essential",
-                                                      "layernorm_essential")),
+                                                      "layernorm_essential", "pool_essential")),
                                 ("cutlass", "sm80", ("fp16_rcr_essential", "conv_fp16_all_essential")),
                                 ("ck_tile", "gfx942", ("fp16_rcr_essential", "conv_fp16_all_essential"))):
         for name in sets:

@@ -109,6 +109,17 @@
  *   Example, ConvNeXt-T's first stage, fp16, 100,352 rows of 96 channels: tensors[0] x TD_FP16 rank 2 shape
  *     {100352, 96} stride {96, 1}; tensors[1] weight and tensors[2] bias TD_FP16 rank 1 shape {96} stride {1};
  *     tensors[3] y like x; scalars = {1e-6}.
+ *
+ *   Max pooling (op maxpool, layout ndhwc): y[n, o, c] = the maximum of x[n, o * stride - pad + t * dilation, c]
+ *   over the window's taps t inside the input (-inf where none is; NaN where one is NaN); every problem as 3D,
+ *   unit outer dims added; num_tensors = 2, both dtype_a: 0 x [N, D, H, W, C], 1 y [N, Do, Ho, Wo, C] (written),
+ *   channels contiguous. params: [TD_CONV_RANK] the problem's rank (1-3), [TD_CONV_STRIDE + d],
+ *   [TD_CONV_DILATION + d], [TD_CONV_PAD_LO + d] and [TD_POOL_WINDOW + d] for d = 0..2; y's shape is the output
+ *   size. The shared check: tiledispatch_pool.h.
+ *   Example, ResNet-50's pool after the stem, fp16, N = 32, 112 x 112, C = 64, window 3, stride 2, padding 1:
+ *     tensors[0] x TD_FP16 rank 5 shape {32, 1, 112, 112, 64} stride {802816, 0, 7168, 64, 1}
+ *     tensors[1] y TD_FP16 rank 5 shape {32, 1, 56, 56, 64} stride {200704, 0, 3584, 64, 1}
+ *     params = {2, 1, 2, 2, 1, 1, 1, 0, 1, 1, 0, 0, 0, 1, 3, 3}
  */
 #ifndef TILEDISPATCH_ABI_H
 #define TILEDISPATCH_ABI_H
@@ -128,6 +139,8 @@
 #define TD_CONV_DILATION 4
 #define TD_CONV_PAD_LO 7
 #define TD_CONV_PAD_HI 10
+/* Max pooling: the conv slots above for rank, stride, dilation and low padding, and the window per dim */
+#define TD_POOL_WINDOW 13
 
 #if defined(_WIN32)
 #define TD_EXPORT __declspec(dllexport)

@@ -22,7 +22,7 @@ from .dtypes import DTYPES
 
 KEY_SCHEMA_VERSION = 1
 
-OPS = ("gemm", "conv", "layernorm")
+OPS = ("gemm", "conv", "layernorm", "maxpool")
 DIRECTIONS = ("none", "fwd", "bwd_data", "bwd_weight")  # "none" for gemm
 # the activations are those the float64 reference defines (reference.ACTIVATIONS): a new one is its reference
 # there plus its code in each backend's epilogue template
@@ -34,6 +34,9 @@ GEMM_LAYOUTS = tuple(a + b + c for a in "rc" for b in "rc" for c in "rc")
 CONV_LAYOUTS = ("nhwgc",)
 # LayerNorm layout: rows of the normalized (last, unit-stride) dim; A is x, B the affine weight and bias, C y.
 LAYERNORM_LAYOUTS = ("rows",)
+# Max pooling layout: channels-last maps, 1D / 2D / 3D problems as 3D ones [N, D, H, W, C] (unit dims added).
+POOL_LAYOUTS = ("ndhwc",)
+_PLAIN_LAYOUTS = {"gemm": GEMM_LAYOUTS, "layernorm": LAYERNORM_LAYOUTS, "maxpool": POOL_LAYOUTS}
 
 _NAME_TOKEN = re.compile(r"^[a-z0-9]+$")
 
@@ -90,12 +93,12 @@ class Signature:
             raise ValueError(f"epilogue: expected an Epilogue, got {self.epilogue!r}")
         if not isinstance(self.spatial_dims, int) or isinstance(self.spatial_dims, bool):
             raise ValueError(f"spatial_dims: expected an integer, got {self.spatial_dims!r}")
-        if self.op in ("gemm", "layernorm"):
-            _check_enum("layout", self.layout, GEMM_LAYOUTS if self.op == "gemm" else LAYERNORM_LAYOUTS)
+        if self.op in _PLAIN_LAYOUTS:
+            _check_enum("layout", self.layout, _PLAIN_LAYOUTS[self.op])
             if self.direction != "none" or self.spatial_dims != 0:
                 raise ValueError(f"{self.op} keys take no direction or spatial_dims")
-            if self.op == "layernorm" and self.epilogue != Epilogue():
-                raise ValueError("layernorm keys take no epilogue (the affine weight and bias are its operands)")
+            if self.op != "gemm" and self.epilogue != Epilogue():
+                raise ValueError(f"{self.op} keys take no epilogue")
         else:
             _check_enum("layout", self.layout, CONV_LAYOUTS)
             _check_enum("direction", self.direction, DIRECTIONS[1:])
@@ -325,7 +328,7 @@ def parse_kernel_name(name: str, vocabulary=None) -> KernelKey:
         raise ValueError(f"not a kernel name (too few fields): {name!r}")
     op_tok, dtypes_tok, layout, epi_tok, backend_tok, arch = tokens[:6]
     try:
-        if op_tok in ("gemm", "layernorm"):
+        if op_tok in _PLAIN_LAYOUTS:
             op, direction, dims = op_tok, "none", 0
         else:
             m = re.fullmatch(r"conv([123])d(fwd|bwdd|bwdw)", op_tok)
