@@ -1,4 +1,4 @@
-"""tiledispatch.torch: a bundle's GEMM and grouped convolution as PyTorch operators.
+"""tiledispatch.torch: a bundle's GEMM, grouped convolution, LayerNorm and max pooling as PyTorch operators.
 
     import tiledispatch as td, tiledispatch.torch as tdt
     reg = td.load("build/fp16_rcr_essential+conv_fp16_all_essential")

@@ -538,3 +538,27 @@ def test_layernorm_suite_is_what_the_generator_makes_of_its_records():
     assert sum(u.get("convnext_tiny", 0) for u in uses.values()) == 23
     assert all(uses[(t, 768)]["gpt2"] == 25 for t in LAYERNORM["tokens"])
     assert {"convnext_tiny", "swin_t", "vit_b_16", "maxvit_t"} <= set(LAYERNORM["models"])
+
+
+# -- the max pooling suite (bench/suites/pool_suite.py) ------------------------------------------------------------
+pool_suite = _module("suites_pool", REPO / "bench" / "suites" / "pool_suite.py")
+MAXPOOL = json.loads((REPO / "bench" / "suites" / "maxpool.json").read_text())
+
+
+def test_pool_record_model_sees_every_max_pool_with_torchs_defaults():
+    net = nn.Sequential(nn.MaxPool2d(3, 2, 1), nn.MaxPool2d(2, ceil_mode=True), nn.Flatten(2), nn.MaxPool1d(2))
+    calls = pool_suite.record_model(net, torch.randn(2, 3, 9, 9))
+    assert [(c["in_size"], c["window"], c["stride"], c["padding"], c["ceil_mode"]) for c in calls] == [
+        ([9, 9], [3, 3], [2, 2], [1, 1], False), ([5, 5], [2, 2], [2, 2], [0, 0], True), ([9], [2], [2], [0], False)]
+
+
+def test_pool_suite_is_what_the_generator_makes_of_its_records():
+    records: dict = {}
+    for s in MAXPOOL["shapes"]:
+        for model, count in s["uses"].items():
+            records.setdefault(model, []).extend([{f: s[f] for f in pool_suite.FIELDS}] * count)
+    header = {k: v for k, v in MAXPOOL.items() if k != "shapes"}
+    assert pool_suite.build_suite(records, header) == MAXPOOL
+    assert generate.dump(MAXPOOL) == (REPO / "bench" / "suites" / "maxpool.json").read_text()
+    stem = next(s for s in MAXPOOL["shapes"] if s["id"] == "pool2d_n32_c64_112x112_w3x3_s2x2_p1x1_d1x1")
+    assert stem["uses"]["resnet50"] == 1 and {"resnet18", "resnext50_32x4d", "wide_resnet50_2"} <= set(stem["uses"])
