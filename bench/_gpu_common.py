@@ -3,9 +3,11 @@ float64 reference, and launching one kernel of a bundle through the C ABI with a
 from __future__ import annotations
 
 import json
+import math
 import re
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -178,3 +180,42 @@ def graph_us(fn, calls: int = 10, replays: int = 20, rounds: int = 7) -> float:
         stop.synchronize()
         times.append(start.elapsed_time(stop) * 1e3 / (replays * calls))
     return statistics.median(times)
+
+
+# -- suites measured against the peers (bench/benchmarks/layernorm.py, maxpool.py): per shape a row with "id",
+# "passed" and the microseconds of each variant (tiledispatch, torch, compile), eagerly and in CUDA graphs
+def peer_ratios(row: dict) -> None:
+    """The row's ratios: the better peer's time / ours, eagerly and in graphs (> 1: ours faster)."""
+    for mode in ("eager", "graph"):
+        times = row[f"{mode}_us"]
+        row[f"{mode}_ratio"] = min(times["torch"], times["compile"]) / times["tiledispatch"]
+
+
+def peer_suite(shapes, measure, budget_s: float) -> list[dict]:
+    """measure(shape) for the shapes in order until budget_s seconds are spent, each row printed as it comes."""
+    start, rows = time.monotonic(), []
+    for shape in shapes:
+        if time.monotonic() - start > budget_s:
+            break
+        row = measure(shape)
+        peer_ratios(row)
+        rows.append(row)
+        eager, graph = row["eager_us"], row["graph_us"]
+        print(f"{row['id']:>44s} eager us: ours {eager['tiledispatch']:7.1f} torch {eager['torch']:7.1f} compile "
+              f"{eager['compile']:7.1f} ({row['eager_ratio']:.2f}x) | graph: {graph['tiledispatch']:7.1f} "
+              f"{graph['torch']:7.1f} {graph['compile']:7.1f} ({row['graph_ratio']:.2f}x)"
+              f"{'' if row['passed'] else ' FAILED'}", flush=True)
+    return rows
+
+
+def geomean(values) -> float:
+    values = list(values)
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else float("nan")
+
+
+def peer_summary(rows: list[dict]) -> dict:
+    return {"eager_geomean": geomean(r["eager_ratio"] for r in rows),
+            "graph_geomean": geomean(r["graph_ratio"] for r in rows),
+            "eager_min": min((r["eager_ratio"] for r in rows), default=None),
+            "graph_min": min((r["graph_ratio"] for r in rows), default=None),
+            "all_passed": all(r["passed"] for r in rows)}

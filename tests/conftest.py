@@ -125,6 +125,16 @@ def build_cpu_bundle(build: Path, name: str, set_text: str, *more_sets: str):
     return td.load(build / name)
 
 
+def build_preselected(tmp_path_factory, kernel_cache, set_name: str):
+    """A preselected set built for the cpu backend through the session's kernel cache, loaded."""
+    import tiledispatch as td
+
+    build = tmp_path_factory.mktemp(f"{set_name}_build")
+    scons(REPO, f"kernels={set_name}", "backend=cpu", f"build_dir={build}", f"cache_dir={kernel_cache}",
+          f"bundle={set_name}")
+    return td.load(build / set_name)
+
+
 @pytest.fixture(scope="session")
 def gemm_bundle(tmp_path_factory, kernel_cache) -> Path:
     """One cpu bundle holding every kernel of every preselected GEMM set."""

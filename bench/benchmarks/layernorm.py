@@ -17,7 +17,6 @@ import argparse
 import json
 import math
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,7 +25,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from _gpu_common import TORCH_DTYPE, graph_us, machine, time_batch, write_results  # noqa: E402
+from _gpu_common import (TORCH_DTYPE, graph_us, machine, peer_suite, peer_summary, time_batch,  # noqa: E402
+                         write_results)
 
 import tiledispatch as td  # noqa: E402
 import tiledispatch.torch as tdt  # noqa: E402
@@ -73,16 +73,8 @@ def measure(shape: dict, reg, dtype: str, gen: torch.Generator) -> dict:
         batch = max(5, min(200, int(2e7 // (rows * cols))))  # about 20 M elements a batch: host-bound calls show
         row["eager_us"] = {name: 1e3 * time_batch(fn, batch, 7, warmup=3) for name, fn in variants.items()}
         row["graph_us"] = {name: graph_us(fn) for name, fn in variants.items()}
-    for mode in ("eager", "graph"):
-        times = row[f"{mode}_us"]
-        row[f"{mode}_ratio"] = min(times["torch"], times["compile"]) / times["tiledispatch"]
     row["gb_per_s"] = 2 * rows * cols * x.element_size() / (row["graph_us"]["tiledispatch"] * 1e3)
     return row
-
-
-def geomean(values) -> float:
-    values = list(values)
-    return math.exp(sum(map(math.log, values)) / len(values)) if values else float("nan")
 
 
 def plot(results: dict, path: Path) -> None:
@@ -122,25 +114,11 @@ def main(argv=None) -> int:
     suite = json.loads(a.suite.read_text())
     shapes = sorted(suite["shapes"], key=lambda s: (-sum(s["uses"].values()), s["cols"], s["rows"]))
     gen = torch.Generator(device="cuda").manual_seed(0)
-    start, rows = time.monotonic(), []
-    for shape in shapes:
-        if time.monotonic() - start > a.budget_s:
-            break
-        row = measure(shape, reg, a.dtype, gen)
-        rows.append(row)
-        print(f"{row['id']:>14s} eager us: ours {row['eager_us']['tiledispatch']:7.1f} torch "
-              f"{row['eager_us']['torch']:7.1f} compile {row['eager_us']['compile']:7.1f} ({row['eager_ratio']:.2f}x) | "
-              f"graph: {row['graph_us']['tiledispatch']:7.1f} {row['graph_us']['torch']:7.1f} "
-              f"{row['graph_us']['compile']:7.1f} ({row['graph_ratio']:.2f}x) | err {row['rel_error']['tiledispatch']:.1e}"
-              f"{'' if row['passed'] else ' FAILED'}", flush=True)
+    rows = peer_suite(shapes, lambda shape: measure(shape, reg, a.dtype, gen), a.budget_s)
     results = {"machine": machine(), "dtype": a.dtype, "eps": EPS, "bundle": str(a.bundle),
                "suite": str(a.suite.relative_to(ROOT)) if a.suite.is_relative_to(ROOT) else str(a.suite),
                "suite_shapes": len(shapes), "measured_shapes": len(rows),
-               "summary": {"eager_geomean": geomean(r["eager_ratio"] for r in rows),
-                           "graph_geomean": geomean(r["graph_ratio"] for r in rows),
-                           "eager_min": min((r["eager_ratio"] for r in rows), default=None),
-                           "graph_min": min((r["graph_ratio"] for r in rows), default=None),
-                           "all_passed": all(r["passed"] for r in rows)},
+               "summary": peer_summary(rows),
                "shapes": rows}
     print(json.dumps(results["summary"]))
     path = write_results(results, a.out, f"layernorm_{a.dtype}")

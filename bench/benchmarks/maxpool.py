@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,7 +23,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from _gpu_common import TORCH_DTYPE, graph_us, machine, time_batch, write_results  # noqa: E402
+from _gpu_common import (TORCH_DTYPE, graph_us, machine, peer_suite, peer_summary, time_batch,  # noqa: E402
+                         write_results)
 
 import tiledispatch as td  # noqa: E402
 import tiledispatch.torch as tdt  # noqa: E402
@@ -66,16 +65,8 @@ def measure(shape: dict, reg, dtype: str, gen: torch.Generator) -> dict:
         batch = max(5, min(200, int(2e7 // x.numel())))
         row["eager_us"] = {name: 1e3 * time_batch(fn, batch, 7, warmup=3) for name, fn in variants.items()}
         row["graph_us"] = {name: graph_us(fn) for name, fn in variants.items()}
-    for mode in ("eager", "graph"):
-        times = row[f"{mode}_us"]
-        row[f"{mode}_ratio"] = min(times["torch"], times["compile"]) / times["tiledispatch"]
     row["gb_per_s"] = (x.numel() + ref.numel()) * x.element_size() / (row["graph_us"]["tiledispatch"] * 1e3)
     return row
-
-
-def geomean(values) -> float:
-    values = list(values)
-    return math.exp(sum(map(math.log, values)) / len(values)) if values else float("nan")
 
 
 def main(argv=None) -> int:
@@ -91,24 +82,10 @@ def main(argv=None) -> int:
     suite = json.loads(a.suite.read_text())
     shapes = sorted(suite["shapes"], key=lambda s: (-sum(s["uses"].values()), s["id"]))
     gen = torch.Generator(device="cuda").manual_seed(0)
-    start, rows = time.monotonic(), []
-    for shape in shapes:
-        if time.monotonic() - start > a.budget_s:
-            break
-        row = measure(shape, reg, a.dtype, gen)
-        rows.append(row)
-        print(f"{row['id']:>44s} eager us: ours {row['eager_us']['tiledispatch']:7.1f} torch "
-              f"{row['eager_us']['torch']:7.1f} compile {row['eager_us']['compile']:7.1f} ({row['eager_ratio']:.2f}x)"
-              f" | graph: {row['graph_us']['tiledispatch']:7.1f} {row['graph_us']['torch']:7.1f} "
-              f"{row['graph_us']['compile']:7.1f} ({row['graph_ratio']:.2f}x){'' if row['passed'] else ' FAILED'}",
-              flush=True)
+    rows = peer_suite(shapes, lambda shape: measure(shape, reg, a.dtype, gen), a.budget_s)
     results = {"machine": machine(), "dtype": a.dtype, "bundle": str(a.bundle), "suite_shapes": len(shapes),
                "measured_shapes": len(rows),
-               "summary": {"eager_geomean": geomean(r["eager_ratio"] for r in rows),
-                           "graph_geomean": geomean(r["graph_ratio"] for r in rows),
-                           "eager_min": min((r["eager_ratio"] for r in rows), default=None),
-                           "graph_min": min((r["graph_ratio"] for r in rows), default=None),
-                           "all_passed": all(r["passed"] for r in rows)},
+               "summary": peer_summary(rows),
                "shapes": rows}
     print(json.dumps(results["summary"]))
     write_results(results, a.out, f"maxpool_{a.dtype}")

@@ -377,6 +377,19 @@ def dump(suite: dict) -> str:
     return "{\n" + ",\n".join(f" {json.dumps(k)}: {value(suite[k])}" for k in keys) + "\n}\n"
 
 
+def write_or_check(path: Path, suite: dict, check: bool) -> int:
+    """Write the suite's file (dump), or with check compare it with what is there; 1 on a difference."""
+    text = dump(suite)
+    count = len(suite.get("layers", suite.get("shapes")))
+    if check:
+        same = path.exists() and path.read_text() == text
+        print(f"{path}: {'up to date' if same else 'DIFFERS from what the models give'} ({count} entries)")
+        return int(not same)
+    path.write_text(text)
+    print(f"wrote {path}: {count} entries")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="compare with the files instead of writing them")
@@ -385,15 +398,7 @@ def main(argv=None) -> int:
     conv, gemm = generate()
     status = 0
     for name, suite in (("conv.json", conv), ("gemm.json", gemm)):
-        path, text = a.out / name, dump(suite)
-        count = len(suite.get("layers", suite.get("shapes")))
-        if a.check:
-            same = path.exists() and path.read_text() == text
-            print(f"{path}: {'up to date' if same else 'DIFFERS from what the models give'} ({count} entries)")
-            status |= not same
-        else:
-            path.write_text(text)
-            print(f"wrote {path}: {count} entries")
+        status |= write_or_check(a.out / name, suite, a.check)
     return status
 
 

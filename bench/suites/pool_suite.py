@@ -106,16 +106,7 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true", help="compare with the file instead of writing it")
     ap.add_argument("--out", type=Path, default=HERE)
     a = ap.parse_args(argv)
-    suite = generate_suite()
-    path, text = a.out / "maxpool.json", generate.dump(suite)
-    if a.check:
-        same = path.exists() and path.read_text() == text
-        state = "up to date" if same else "DIFFERS from what the models give"
-        print(f"{path}: {state} ({len(suite['shapes'])} shapes)")
-        return int(not same)
-    path.write_text(text)
-    print(f"wrote {path}: {len(suite['shapes'])} shapes")
-    return 0
+    return generate.write_or_check(a.out / "maxpool.json", generate_suite(), a.check)
 
 
 if __name__ == "__main__":

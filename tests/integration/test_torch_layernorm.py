@@ -16,7 +16,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import tiledispatch as td  # noqa: E402
 import tiledispatch.torch as tdt  # noqa: E402
-from conftest import REPO, scons  # noqa: E402
+from conftest import build_preselected  # noqa: E402
 from tiledispatch.errors import InvalidInputError, UnsupportedProblemError  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -24,10 +24,7 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 @pytest.fixture(scope="module")
 def reg(tmp_path_factory, kernel_cache):
-    build = tmp_path_factory.mktemp("torch_ln_build")
-    scons(REPO, "kernels=layernorm_essential", "backend=cpu", f"build_dir={build}", f"cache_dir={kernel_cache}",
-          "bundle=ln")
-    return td.load(build / "ln")
+    return build_preselected(tmp_path_factory, kernel_cache, "layernorm_essential")
 
 
 def rows(*shape, dtype=torch.float32, seed=0):

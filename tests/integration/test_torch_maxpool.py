@@ -15,7 +15,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import tiledispatch as td  # noqa: E402
 import tiledispatch.torch as tdt  # noqa: E402
-from conftest import REPO, scons  # noqa: E402
+from conftest import build_preselected  # noqa: E402
 from tiledispatch.errors import InvalidInputError  # noqa: E402
 
 POOLS = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
@@ -23,10 +23,7 @@ POOLS = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 
 @pytest.fixture(scope="module")
 def reg(tmp_path_factory, kernel_cache):
-    build = tmp_path_factory.mktemp("torch_pool_build")
-    scons(REPO, "kernels=pool_essential", "backend=cpu", f"build_dir={build}", f"cache_dir={kernel_cache}",
-          "bundle=pool")
-    return td.load(build / "pool")
+    return build_preselected(tmp_path_factory, kernel_cache, "pool_essential")
 
 
 def maps(*shape, dtype=torch.float32, seed=0):

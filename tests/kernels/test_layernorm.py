@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, compile_keys, scons, toolchain_or_reason
+from conftest import REPO, build_preselected, compile_keys, toolchain_or_reason
 from tiledispatch import abi, selection, validation
 from tiledispatch.errors import InvalidInputError, UnsupportedProblemError
 from tiledispatch.generator import toolchains
@@ -27,12 +27,7 @@ SET = REPO / "preselected" / "layernorm_essential.yaml"
 
 @pytest.fixture(scope="module")
 def reg(tmp_path_factory, kernel_cache):
-    import tiledispatch as td
-
-    build = tmp_path_factory.mktemp("layernorm_build")
-    scons(REPO, "kernels=layernorm_essential", "backend=cpu", f"build_dir={build}", f"cache_dir={kernel_cache}",
-          "bundle=ln")
-    return td.load(build / "ln")
+    return build_preselected(tmp_path_factory, kernel_cache, "layernorm_essential")
 
 
 def case(rng, rows, cols, dtype, how):

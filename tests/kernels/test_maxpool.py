@@ -9,7 +9,7 @@ import itertools
 import numpy as np
 import pytest
 
-from conftest import REPO, compile_keys, scons, toolchain_or_reason
+from conftest import REPO, build_preselected, compile_keys, toolchain_or_reason
 from tiledispatch import abi, selection, validation
 from tiledispatch.errors import InvalidInputError, UnsupportedProblemError
 from tiledispatch.generator import toolchains
@@ -26,12 +26,7 @@ CASES = [(2, 8, (15, 17), 3, 2, 1, 1, False), (1, 3, (7, 9), (3, 2), (2, 1), (1,
 
 @pytest.fixture(scope="module")
 def reg(tmp_path_factory, kernel_cache):
-    import tiledispatch as td
-
-    build = tmp_path_factory.mktemp("maxpool_build")
-    scons(REPO, "kernels=pool_essential", "backend=cpu", f"build_dir={build}", f"cache_dir={kernel_cache}",
-          "bundle=pool")
-    return td.load(build / "pool")
+    return build_preselected(tmp_path_factory, kernel_cache, "pool_essential")
 
 
 @pytest.mark.parametrize("wide", [False, True], ids=["dense", "channels_of_a_wider_buffer"])
