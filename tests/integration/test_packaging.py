@@ -66,9 +66,9 @@ def test_a_built_wheel_carries_the_families(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["package"].startswith(str(site.resolve()))
-    assert out["families"]["cpu"] == ["conv_direct", "conv_packed", "gemm"]
+    assert out["families"]["cpu"] == ["conv_direct", "conv_packed", "gemm", "layernorm", "maxpool"]
     assert set(out["families"]["cutlass"]) == {"conv_direct", "conv_implicit_gemm", "conv_tma_ws", "gemm_sm80",
-                                               "gemm_sm90"}
+                                               "gemm_sm90", "layernorm", "maxpool"}
     assert all(out["rendered"].values()) and len(out["rendered"]) == 2
     # the plain C++ headers of the folders and of the ABI came along (a missing one would not be listed)
     assert {"tiledispatch_abi.h", "tiledispatch_kernel.h", "cpu_includes.h", "cpu_common.h"} <= set(out["headers"])

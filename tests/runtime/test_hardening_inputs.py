@@ -496,7 +496,8 @@ def test_bad_scalars_and_options_are_refused(reg):
         td.GemmProblem(8, 8, 8, "fp32", "fp32", "fp32", "rcr", 1, "relu")
     with pytest.raises(td.InvalidInputError, match="GEMM tensors are a dict"):
         reg.plan(td.GemmProblem(8, 8, 8, "fp32", "fp32", "fp32", "rcr"))([a, w.T])
-    with pytest.raises(td.InvalidInputError, match="problem must be a GemmProblem or ConvProblem, got str"):
+    with pytest.raises(td.InvalidInputError, match="problem must be a GemmProblem, ConvProblem, LayerNormProblem or "
+                                                   "MaxPoolProblem, got str"):
         reg.run("gemm", {"a": a, "b": w.T, "out": np.zeros((32, 24), np.float32)})
     with pytest.raises(td.InvalidInputError, match="operands must be a dict of arrays or the gemm module's Operands"):
         reg.run(td.GemmProblem(32, 24, 16, "fp32", "fp32", "fp32", "rcr"), [a, w.T])
