@@ -654,8 +654,7 @@ class _Pass:
             return False
         node.target = tdt.layer_norm
         node.kwargs = {**node.kwargs, "registry": self.handle}
-        self.report.fused.append(FusedLayer(name, "layer_norm", [name], "none", notes=[
-            "forward only: a call that records a gradient or runs under torch.autocast is torch's F.layer_norm"]))
+        self.report.fused.append(FusedLayer(name, "layer_norm", [name], "none", notes=[tdt._FORWARD_ONLY["LayerNorm"]]))
         return True
 
     def gemm_supports(self, kind: str, dtype: str, m: nn.Module, activation: str, residuals: int) -> bool:

@@ -23,7 +23,7 @@ from .dtypes import DTYPES
 KEY_SCHEMA_VERSION = 1
 
 OPS = ("gemm", "conv", "layernorm", "maxpool")
-DIRECTIONS = ("none", "fwd", "bwd_data", "bwd_weight")  # "none" for gemm
+DIRECTIONS = ("none", "fwd", "bwd_data", "bwd_weight")  # "none" for every op but conv
 # the activations are those the float64 reference defines (reference.ACTIVATIONS): a new one is its reference
 # there plus its code in each backend's epilogue template
 ACTIVATIONS = tuple(_ACTIVATION_REFERENCES)
