@@ -1,4 +1,4 @@
-"""python -m tiledispatch {list, info, select, run, bench} BUNDLE [gemm | conv | layernorm ...]: every command prints
+"""python -m tiledispatch {list, info, select, run, bench} BUNDLE [gemm | conv | layernorm | maxpool ...]: every command prints
 one JSON object (standard JSON: a non-finite number prints as null). BUNDLE is a bundle directory, a pack
 (NAME.tdpack) or the name of an installed pack.
 
@@ -32,6 +32,7 @@ from . import errors, learned, loader, selection, validation
 from .ops import conv as conv_op
 from .ops import gemm as gemm_op
 from .ops import layernorm as ln_op
+from .ops import maxpool as pool_op
 from .spec.dtypes import DTYPES, dtype
 from .spec.key import ACTIVATIONS
 
@@ -138,8 +139,17 @@ def _layernorm_problem(reg, a) -> ln_op.LayerNormProblem:
     return ln_op.LayerNormProblem(a.rows, a.cols, dt, dt, dtype_y)
 
 
+def _maxpool_problem(reg, a) -> pool_op.MaxPoolProblem:
+    dt, _ = _dtypes(_op_kernels(reg, "maxpool"), a.dtype)
+    rank = len(a.in_size)
+    geo = [_per_dim(getattr(a, name), name, rank) for name in ("window", "stride", "padding", "dilation")]
+    return pool_op.problem_of(a.n, a.c, tuple(a.in_size), dt, geo[0], geo[1], 0 if geo[2] is None else geo[2],
+                              1 if geo[3] is None else geo[3], a.ceil_mode)
+
+
 def _problem(reg, a):
-    return {"gemm": _gemm_problem, "conv": _conv_problem, "layernorm": _layernorm_problem}[a.op](reg, a)
+    return {"gemm": _gemm_problem, "conv": _conv_problem, "layernorm": _layernorm_problem,
+            "maxpool": _maxpool_problem}[a.op](reg, a)
 
 
 # -- inputs: sized before they are allocated ---------------------------------------------------------
@@ -152,6 +162,8 @@ def _arrays(p) -> list[tuple[int, str, bool]]:
         return arrays + ([(p.n, p.dtype_c, False)] if p.epilogue.bias else [])
     if p.op == "layernorm":
         return [(p.rows * p.cols, p.dtype_x, False), (p.rows * p.cols, p.dtype_y, True), (2 * p.cols, p.dtype_w, False)]
+    if p.op == "maxpool":
+        return [(p.n * p.c * math.prod(p.in_size), p.dtype, False), (p.n * p.c * math.prod(p.out_size), p.dtype, True)]
     shapes, written = p.shapes(), conv_op.WRITES[p.direction]
     dtypes = {"x": p.dtype_x, "w": p.dtype_w, "y": p.dtype_y}
     return [(math.prod(shapes[r]), dtypes[r], r == written) for r in ("x", "w", "y")]
@@ -209,6 +221,8 @@ def _inputs(p, a) -> dict:
     rng = np.random.default_rng(a.seed)
     if p.op == "layernorm":
         return validation.layernorm_case(p, rng, a.eps)[0]
+    if p.op == "maxpool":
+        return validation.maxpool_case(p, rng)[0]
     return validation.gemm_inputs(p, rng) if p.op == "gemm" else validation.conv_inputs(p, rng)
 
 
@@ -233,6 +247,10 @@ def _launch(reg, p, data, kernel, a) -> float:
                  clamp=(a.clamp_low, a.clamp_high))
     elif p.op == "layernorm":
         reg.layer_norm(data["x"], data["weight"], data["bias"], data["out"], eps=a.eps, kernel=kernel)
+    elif p.op == "maxpool":
+        dims = slice(3 - p.rank, 3)
+        reg.max_pool(data["x"], p.window[dims], p.stride[dims], p.padding[dims], p.dilation[dims],
+                     ceil_mode=a.ceil_mode, out=data["out"], kernel=kernel)
     else:
         geo = {"stride": p.stride, "dilation": p.dilation, "pad_lo": p.pad_lo, "pad_hi": p.pad_hi}
         if p.direction == "fwd":
@@ -252,11 +270,15 @@ def _reference(p, data, a):
                               p.epilogue.activation, (a.clamp_low, a.clamp_high))
     if p.op == "layernorm":
         return reference.layer_norm(data["x"], data["weight"], data["bias"], a.eps)
+    if p.op == "maxpool":
+        dims = slice(3 - p.rank, 3)
+        return reference.max_pool(data["x"], p.window[dims], p.stride[dims], p.dilation[dims], p.padding[dims],
+                                  p.out_size[dims])
     return a.alpha * validation.conv_reference(p, data)
 
 
 def _written(p, data):
-    return data["out"] if p.op in ("gemm", "layernorm") else data[conv_op.WRITES[p.direction]]
+    return data["out"] if p.op in ("gemm", "layernorm", "maxpool") else data[conv_op.WRITES[p.direction]]
 
 
 def _gflops(p, ms: float):
@@ -398,7 +420,7 @@ def _common_options(sp, command: str, alpha: bool = True) -> None:
 
 
 def _op_parsers(sp, command: str) -> None:
-    ops = sp.add_subparsers(dest="op", required=True, metavar="{gemm,conv,layernorm}")
+    ops = sp.add_subparsers(dest="op", required=True, metavar="{gemm,conv,layernorm,maxpool}")
     g = ops.add_parser("gemm", help="D = act(alpha * A @ B + bias + residuals)")
     for dim in ("m", "n", "k"):
         g.add_argument(f"--{dim}", type=int, required=True)
@@ -433,6 +455,18 @@ def _op_parsers(sp, command: str) -> None:
     n.add_argument("--cols", type=int, required=True, help="the normalized dim")
     n.add_argument("--eps", type=float, default=ln_op.DEFAULT_EPS)
     _common_options(n, command, alpha=False)
+
+    m = ops.add_parser("maxpool", help="max pooling of a channels-last map [N, spatial..., C], as torch's")
+    m.add_argument("--n", type=int, required=True, help="batch")
+    m.add_argument("--c", type=int, required=True, help="channels")
+    m.add_argument("--in", dest="in_size", type=int, nargs="+", required=True, metavar="SIZE",
+                   help="input spatial sizes, outermost first: W, H W or D H W")
+    m.add_argument("--window", type=int, nargs="+", required=True, metavar="K", help="one value or one per dim")
+    m.add_argument("--stride", type=int, nargs="+", metavar="S", help="one value or one per dim (default: the window)")
+    m.add_argument("--padding", type=int, nargs="+", metavar="P", help="one value or one per dim")
+    m.add_argument("--dilation", type=int, nargs="+", metavar="D", help="one value or one per dim")
+    m.add_argument("--ceil-mode", action="store_true")
+    _common_options(m, command, alpha=False)
 
 
 def cmd_pack(a) -> int:

@@ -135,3 +135,20 @@ def test_cutlass_kernels_compile_and_check_their_arguments_without_a_device(tmp_
     status, why = libs[one].can_run(args)
     assert status == abi.INVALID_ARGUMENT and "starts past the input" in why
 
+
+
+def test_cli_runs_and_validates_maxpool(reg):
+    import json
+    import subprocess
+    import sys
+
+    bundle = str(reg.kernels[0].path.parents[1])
+    run = subprocess.run([sys.executable, "-m", "tiledispatch", "run", bundle, "maxpool", "--n", "2", "--c", "3",
+                          "--in", "7", "9", "11", "--window", "2", "--ceil-mode", "--dtype", "bf16", "--validate"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads(run.stdout)
+    assert result["validation"]["passed"] and result["problem"]["out_size"] == [4, 5, 6]
+    bad = subprocess.run([sys.executable, "-m", "tiledispatch", "run", bundle, "maxpool", "--n", "2", "--c", "3",
+                          "--in", "7", "9", "--window", "2", "3", "4", "--dtype", "fp32"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--window takes 1 or 2 values" in bad.stdout
