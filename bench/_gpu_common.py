@@ -2,6 +2,7 @@
 float64 reference, and launching one kernel of a bundle through the C ABI with a persistent workspace."""
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import re
@@ -219,3 +220,40 @@ def peer_summary(rows: list[dict]) -> dict:
             "eager_min": min((r["eager_ratio"] for r in rows), default=None),
             "graph_min": min((r["graph_ratio"] for r in rows), default=None),
             "all_passed": all(r["passed"] for r in rows)}
+
+
+# -- every kernel of an op on every case (bench/validation/validate_layernorm_gpu.py, validate_maxpool_gpu.py) --------
+def validator_args(doc: str, argv=None) -> argparse.Namespace:
+    """--bundle, --out and --device (cpu: the same cases on a cpu bundle, to check the script without a GPU)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bundle", required=True)
+    ap.add_argument("--out", default="/tmp")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    return ap.parse_args(argv)
+
+
+def validate_case(reg, problem, operands, kernels, entry: dict, run_one, results: list) -> bool:
+    """Each kernel on one case: its refusal recorded with the reason td_can_run gives, else run_one(kernel), a dict
+    holding "passed"; whether any kernel ran the case."""
+    explained = dict(reg.explain(problem, operands))
+    ran = False
+    for k in kernels:
+        row = {"kernel": k.name, **entry}
+        if explained[k] is not None:
+            results.append({**row, "refused": explained[k]})
+            continue
+        results.append({**row, **run_one(k)})
+        ran = True
+    return ran
+
+
+def write_validation(a: argparse.Namespace, results: list, uncovered: list, prefix: str) -> int:
+    """Print the counts, write the JSON (out/<prefix>_<gpu>.json); the exit status: 1 on a failure or a case no
+    kernel ran."""
+    failures = sum(not r["passed"] for r in results if "passed" in r)
+    print(f"{sum('passed' in r for r in results)} runs, {failures} failed, "
+          f"{sum('refused' in r for r in results)} refusals, {len(uncovered)} cases no kernel ran: {uncovered}")
+    where = machine() if a.device == "cuda" else {"gpu": "cpu", "torch": torch.__version__}
+    write_results({"machine": where, "bundle": str(a.bundle), "runs": results, "failures": failures,
+                   "uncovered": uncovered}, a.out, prefix)
+    return 1 if failures or uncovered else 0

@@ -390,6 +390,15 @@ def write_or_check(path: Path, suite: dict, check: bool) -> int:
     return 0
 
 
+def suite_main(doc: str, file_name: str, make, argv=None) -> int:
+    """The command line of a one-file suite generator: write (or --check) --out/file_name from make()."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="compare with the file instead of writing it")
+    ap.add_argument("--out", type=Path, default=HERE)
+    a = ap.parse_args(argv)
+    return write_or_check(a.out / file_name, make(), a.check)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="compare with the files instead of writing them")

@@ -13,7 +13,6 @@ the meta device and run once under a TorchFunctionMode that records each F.layer
 """
 from __future__ import annotations
 
-import argparse
 import math
 import re
 import sys
@@ -108,12 +107,7 @@ def generate_suite() -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--check", action="store_true", help="compare with the file instead of writing it")
-    ap.add_argument("--out", type=Path, default=HERE)
-    a = ap.parse_args(argv)
-    return generate.write_or_check(a.out / "layernorm.json", generate_suite(), a.check)
-
+    return generate.suite_main(__doc__, "layernorm.json", generate_suite, argv)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -11,7 +11,6 @@ under a TorchFunctionMode that records each F.max_pool1d / 2d / 3d call.
 """
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from pathlib import Path
@@ -102,12 +101,7 @@ def generate_suite() -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--check", action="store_true", help="compare with the file instead of writing it")
-    ap.add_argument("--out", type=Path, default=HERE)
-    a = ap.parse_args(argv)
-    return generate.write_or_check(a.out / "maxpool.json", generate_suite(), a.check)
-
+    return generate.suite_main(__doc__, "maxpool.json", generate_suite, argv)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -9,7 +9,7 @@ cases a kernel refuses are recorded with its reason, and every case must run on 
 """
 from __future__ import annotations
 
-import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from _gpu_common import TORCH_DTYPE, machine, write_results  # noqa: E402
+from _gpu_common import TORCH_DTYPE, validate_case, validator_args, write_validation  # noqa: E402
 
 import tiledispatch as td  # noqa: E402
 from tiledispatch import validation  # noqa: E402
@@ -49,55 +49,34 @@ def case_tensors(rows: int, cols: int, dtype: torch.dtype, how: str, gen: torch.
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--bundle", required=True)
-    ap.add_argument("--out", default="/tmp")
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    a = ap.parse_args(argv)
+    a = validator_args(__doc__, argv)
     device = a.device
     reg = td.load(a.bundle)
     kernels = [k for k in reg.kernels if k.key.signature.op == "layernorm"]
     gen = torch.Generator(device=device).manual_seed(0)
-    results, failures, uncovered = [], 0, []
+    results, uncovered = [], []
     for dtype in sorted({k.key.signature.dtype_a for k in kernels}):
         mine = [k for k in kernels if k.key.signature.dtype_a == dtype]
-        for rows in ROWS:
-            for cols in COLS:
-                for how in ("dense", "strided", "offset", "in_place"):
-                    x, out = case_tensors(rows, cols, TORCH_DTYPE[dtype], how, gen, device)
-                    x0 = x.clone()
-                    w = (1 + 0.5 * torch.randn(cols, generator=gen, device=device)).to(x.dtype)
-                    b = (0.5 * torch.randn(cols, generator=gen, device=device)).to(x.dtype)
-                    ref = F.layer_norm(x0.double(), (cols,), w.double(), b.double(), EPS)
-                    problem, operands = ln_op.operands(x, w, b, out)
-                    explained = dict(reg.explain(problem, operands))
-                    ran = 0
-                    for k in mine:
-                        reason = explained[k]
-                        entry = {"kernel": k.name, "dtype": dtype, "rows": rows, "cols": cols, "case": how}
-                        if reason is not None:
-                            results.append({**entry, "refused": reason})
-                            continue
-                        if how == "in_place":
-                            x.copy_(x0)  # a previous kernel overwrote it
-                        else:
-                            out.fill_(float("nan"))
-                        reg.layer_norm(x, w, b, out, eps=EPS, kernel=k)
-                        if device == "cuda":
-                            torch.cuda.synchronize()
-                        check = validation.compare(out.cpu().float().numpy(), ref.cpu().numpy(), k.key)
-                        failures += not check["passed"]
-                        ran += 1
-                        results.append({**entry, **check})
-                    if not ran:
-                        uncovered.append(f"{dtype} {rows}x{cols} {how}")
-    print(f"{sum('passed' in r for r in results)} runs, {failures} failed, "
-          f"{sum('refused' in r for r in results)} refusals, {len(uncovered)} cases no kernel ran: {uncovered}")
-    where = machine() if device == "cuda" else {"gpu": "cpu", "torch": torch.__version__}
-    write_results({"machine": where, "bundle": str(a.bundle), "runs": results, "failures": failures,
-                   "uncovered": uncovered}, a.out, "validate_layernorm")
-    return 1 if failures or uncovered else 0
+        for rows, cols, how in itertools.product(ROWS, COLS, ("dense", "strided", "offset", "in_place")):
+            x, out = case_tensors(rows, cols, TORCH_DTYPE[dtype], how, gen, device)
+            x0 = x.clone()
+            w = (1 + 0.5 * torch.randn(cols, generator=gen, device=device)).to(x.dtype)
+            b = (0.5 * torch.randn(cols, generator=gen, device=device)).to(x.dtype)
+            ref = F.layer_norm(x0.double(), (cols,), w.double(), b.double(), EPS).cpu().numpy()
 
+            def run_one(k, x=x, x0=x0, w=w, b=b, out=out, ref=ref, how=how):
+                if how == "in_place":
+                    x.copy_(x0)  # a previous kernel overwrote it
+                else:
+                    out.fill_(float("nan"))
+                reg.layer_norm(x, w, b, out, eps=EPS, kernel=k)
+                return validation.compare(out.cpu().float().numpy(), ref, k.key)
+
+            problem, operands = ln_op.operands(x, w, b, out)
+            entry = {"dtype": dtype, "rows": rows, "cols": cols, "case": how}
+            if not validate_case(reg, problem, operands, mine, entry, run_one, results):
+                uncovered.append(f"{dtype} {rows}x{cols} {how}")
+    return write_validation(a, results, uncovered, "validate_layernorm")
 
 if __name__ == "__main__":
     sys.exit(main())

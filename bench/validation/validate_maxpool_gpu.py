@@ -10,7 +10,7 @@ elsewhere). The cases a kernel refuses are recorded with its reason, and every c
 """
 from __future__ import annotations
 
-import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from _gpu_common import TORCH_DTYPE, machine, write_results  # noqa: E402
+from _gpu_common import TORCH_DTYPE, validate_case, validator_args, write_validation  # noqa: E402
 
 import tiledispatch as td  # noqa: E402
 from tiledispatch.ops import maxpool as pool_op  # noqa: E402
@@ -46,49 +46,32 @@ def case_tensor(n, spatial, c, dtype, how, gen, device):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--bundle", required=True)
-    ap.add_argument("--out", default="/tmp")
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    a = ap.parse_args(argv)
+    a = validator_args(__doc__, argv)
     device = a.device
     reg = td.load(a.bundle)
     kernels = [k for k in reg.kernels if k.key.signature.op == "maxpool"]
     gen = torch.Generator(device=device).manual_seed(0)
-    results, failures, uncovered = [], 0, []
+    results, uncovered = [], []
     for dtype in sorted({k.key.signature.dtype_a for k in kernels}):
         mine = [k for k in kernels if k.key.signature.dtype_a == dtype]
-        for n, spatial, window, stride, padding, dilation, ceil_mode in GEOMETRIES:
-            for c in CHANNELS:
-                for how in ("dense", "strided", "offset"):
-                    x = case_tensor(n, spatial, c, TORCH_DTYPE[dtype], how, gen, device)
-                    ref = POOLS[len(spatial)](x.movedim(-1, 1), window, stride, padding, dilation,
-                                              ceil_mode=ceil_mode).movedim(1, -1)
-                    out = torch.full(ref.shape, 12345.0, dtype=x.dtype, device=device)  # poisoned: no valid max
-                    problem, operands = pool_op.operands(x, window, stride, padding, dilation, ceil_mode, out)
-                    explained = dict(reg.explain(problem, operands))
-                    ran = 0
-                    for k in mine:
-                        entry = {"kernel": k.name, "dtype": dtype, "problem": str(problem), "case": how}
-                        if explained[k] is not None:
-                            results.append({**entry, "refused": explained[k]})
-                            continue
-                        out.fill_(12345.0)
-                        reg.max_pool(x, window, stride, padding, dilation, ceil_mode=ceil_mode, out=out, kernel=k)
-                        same = bool(torch.equal(torch.isnan(out), torch.isnan(ref))
-                                    and torch.equal(out.nan_to_num(0.0), ref.nan_to_num(0.0)))
-                        failures += not same
-                        ran += 1
-                        results.append({**entry, "passed": same})
-                    if not ran:
-                        uncovered.append(f"{dtype} {problem} {how}")
-    print(f"{sum('passed' in r for r in results)} runs, {failures} failed, "
-          f"{sum('refused' in r for r in results)} refusals, {len(uncovered)} cases no kernel ran: {uncovered}")
-    where = machine() if device == "cuda" else {"gpu": "cpu", "torch": torch.__version__}
-    write_results({"machine": where, "bundle": str(a.bundle), "runs": results, "failures": failures,
-                   "uncovered": uncovered}, a.out, "validate_maxpool")
-    return 1 if failures or uncovered else 0
+        for (n, spatial, window, stride, padding, dilation, ceil_mode), c, how in itertools.product(
+                GEOMETRIES, CHANNELS, ("dense", "strided", "offset")):
+            x = case_tensor(n, spatial, c, TORCH_DTYPE[dtype], how, gen, device)
+            geo = (window, stride, padding, dilation)
+            ref = POOLS[len(spatial)](x.movedim(-1, 1), *geo, ceil_mode=ceil_mode).movedim(1, -1)
+            out = torch.full(ref.shape, 12345.0, dtype=x.dtype, device=device)  # poisoned: no valid max
 
+            def run_one(k, x=x, geo=geo, ceil_mode=ceil_mode, out=out, ref=ref):
+                out.fill_(12345.0)
+                reg.max_pool(x, *geo, ceil_mode=ceil_mode, out=out, kernel=k)
+                return {"passed": bool(torch.equal(torch.isnan(out), torch.isnan(ref))
+                                       and torch.equal(out.nan_to_num(0.0), ref.nan_to_num(0.0)))}
+
+            problem, operands = pool_op.operands(x, *geo, ceil_mode, out)
+            if not validate_case(reg, problem, operands, mine, {"dtype": dtype, "problem": str(problem), "case": how},
+                                 run_one, results):
+                uncovered.append(f"{dtype} {problem} {how}")
+    return write_validation(a, results, uncovered, "validate_maxpool")
 
 if __name__ == "__main__":
     sys.exit(main())
